@@ -1,0 +1,1 @@
+"""Flower glue for sovereign-fl: ServerApp, ClientApp, strategies, config schema, CLI, launcher."""
