@@ -1,0 +1,82 @@
+"""Aggregation on the coordinator: a streaming sample-weighted mean and the server optimizers.
+
+Updates are folded into one float64 accumulator as they arrive (memory O(P), not O(N·P)).
+FedAvg takes the mean as the new model (weights) or adds it scaled by the server learning rate
+(deltas); FedAdam and FedYogi (Reddi et al., ICLR 2021) treat the averaged delta as a
+pseudo-gradient. Pure numpy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+Arrays = dict[str, np.ndarray]
+
+
+class WeightedMean:
+    """Σ n_i·u_i / Σ n_i, accumulated one update at a time."""
+
+    def __init__(self) -> None:
+        self._sum: dict[str, np.ndarray] = {}
+        self.total_weight = 0.0
+        self.count = 0
+
+    def add(self, update: Arrays, weight: float) -> None:
+        if weight <= 0:
+            raise ValueError(f"weight must be positive, got {weight}")
+        for name, arr in update.items():
+            acc = self._sum.get(name)
+            if acc is None:
+                self._sum[name] = arr.astype(np.float64) * weight
+            else:
+                acc += arr.astype(np.float64, copy=False) * weight
+        self.total_weight += weight
+        self.count += 1
+
+    def result(self) -> Arrays:
+        if not self.count:
+            raise ValueError("no update was added")
+        return {k: (v / self.total_weight).astype(np.float32) for k, v in self._sum.items()}
+
+
+@dataclass
+class ServerOptimizer:
+    """Applies the round's mean update to the global model; keeps FedAdam/FedYogi moments."""
+
+    strategy: str = "fedavg"
+    update_kind: str = "delta"
+    lr: float = 1.0
+    beta1: float = 0.9
+    beta2: float = 0.99
+    tau: float = 1e-3
+    m: Arrays = field(default_factory=dict)
+    v: Arrays = field(default_factory=dict)
+
+    def step(self, model: Arrays, mean_update: Arrays) -> Arrays:
+        delta = mean_update if self.update_kind == "delta" else {k: mean_update[k] - model[k] for k in model}
+        if self.strategy == "fedavg":
+            if self.update_kind == "weights" and self.lr == 1.0:
+                return {k: mean_update[k].astype(np.float32) for k in model}
+            return {k: (model[k] + self.lr * delta[k]).astype(np.float32) for k in model}
+        out = {}
+        for k in model:
+            d = delta[k].astype(np.float32)
+            m = self.m.get(k, np.zeros_like(d))
+            v = self.v.get(k, np.full_like(d, self.tau**2))
+            m = self.beta1 * m + (1 - self.beta1) * d
+            if self.strategy == "fedadam":
+                v = self.beta2 * v + (1 - self.beta2) * d * d
+            else:  # fedyogi: additive, sign-controlled second moment
+                v = v - (1 - self.beta2) * d * d * np.sign(v - d * d)
+            self.m[k], self.v[k] = m, v
+            out[k] = (model[k] + self.lr * m / (np.sqrt(v) + self.tau)).astype(np.float32)
+        return out
+
+    def state(self) -> Arrays:
+        return {**{f"m/{k}": v for k, v in self.m.items()}, **{f"v/{k}": v for k, v in self.v.items()}}
+
+    def load_state(self, arrays: Arrays) -> None:
+        self.m = {k[2:]: v for k, v in arrays.items() if k.startswith("m/")}
+        self.v = {k[2:]: v for k, v in arrays.items() if k.startswith("v/")}

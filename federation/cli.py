@@ -1,0 +1,125 @@
+"""`sovfl`: the command line for simulation engineers, site operators and the coordinator."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from pathlib import Path
+
+from federation import launcher
+from federation.config import ConfigError, load_config
+
+
+def _on_sigterm(signum, frame):  # noqa: ARG001
+    raise KeyboardInterrupt  # unwinds through the launcher's teardown
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config)
+    print(f"{args.config}: OK ({len(cfg.sites)} site(s), {cfg.federation.rounds} round(s), "
+          f"workload {cfg.workload.name}, strategy {cfg.federation.strategy})")
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    result = launcher.simulate(args.config, args.workdir)
+    if result.get("status") != "ok":
+        print(f"sovfl simulate: FAILED: {result.get('error', 'no round reached its quorum')} "
+              f"(logs: {result['workdir']}/logs)", file=sys.stderr)
+        return 1
+    print(f"checkpoints and metrics in {result['workdir']}")
+    print(launcher.result_line(result))
+    return 0
+
+
+def cmd_coordinator(args: argparse.Namespace) -> int:
+    """The coordinator machine: a SuperLink reachable by the sites, then the run."""
+    cfg = load_config(args.config)
+    workdir = Path(args.workdir or f"runs/{cfg.federation.name}-coordinator").resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    sup = launcher.Supervisor(workdir)
+    try:
+        link = launcher.start_superlink(sup, args.port, args.host)
+        print(f"SuperLink on {args.host}:{args.port}; waiting for {len(cfg.sites)} site(s)")
+        run = launcher.submit_run(sup, Path(args.config), f"127.0.0.1:{args.port}")
+        result = launcher.watch_run(sup, [link, run], {}, launcher.run_deadline(cfg), print)
+    finally:
+        sup.close()
+    print(launcher.result_line(result))
+    return 0 if result.get("status") == "ok" else 1
+
+
+def cmd_site(args: argparse.Namespace) -> int:
+    """A site machine: its trainer pool and its SuperNode, until Ctrl-C."""
+    cfg = load_config(args.config)
+    site = next((s for s in cfg.sites if s.id == args.site), None)
+    if site is None:
+        raise ConfigError(f"{args.config}: no site '{args.site}'; known: {[s.id for s in cfg.sites]}")
+    workdir = Path(args.workdir or f"runs/{cfg.federation.name}-site-{site.id}").resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    sock = args.socket or f"/tmp/sovfl-{site.id}-{int(time.time())}.sock"
+    sup = launcher.Supervisor(workdir)
+    try:
+        trainer = launcher.start_trainer(sup, site, cfg, sock)
+        launcher.wait_trainers({site.id: trainer}, {site.id: sock}, cfg.federation.deadlines.trainer_start_s, print)
+        node = launcher.start_supernode(sup, site, args.superlink, sock)
+        print(f"site {site.id}: SuperNode connected to {args.superlink}; Ctrl-C to stop")
+        while trainer.alive() and node.alive():
+            time.sleep(1)
+        dead = trainer if not trainer.alive() else node
+        print(f"site {site.id}: {dead.name} exited with code {dead.popen.returncode}; see {dead.log}", file=sys.stderr)
+        return 1
+    finally:
+        sup.close()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sovfl", description="Federated learning for sovereign clouds.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    v = sub.add_parser("validate", help="check a configuration file and exit")
+    v.add_argument("config")
+    v.set_defaults(fn=cmd_validate)
+
+    s = sub.add_parser("simulate", help="run a whole federation on loopback with real processes")
+    s.add_argument("config")
+    s.add_argument("--workdir", help="where logs, checkpoints and metrics go (default: runs/NAME-TIME)")
+    s.set_defaults(fn=cmd_simulate)
+
+    c = sub.add_parser("coordinator", help="run the SuperLink and the federation on this machine")
+    c.add_argument("config")
+    c.add_argument("--host", default="0.0.0.0", help="address the sites reach (default: all interfaces)")
+    c.add_argument("--port", type=int, default=9092)
+    c.add_argument("--workdir")
+    c.set_defaults(fn=cmd_coordinator)
+
+    t = sub.add_parser("site", help="run one site's trainer pool and SuperNode on this machine")
+    t.add_argument("config")
+    t.add_argument("--site", required=True, help="this site's id in the configuration")
+    t.add_argument("--superlink", required=True, help="the coordinator's HOST:PORT")
+    t.add_argument("--socket", help="the trainer's Unix socket (default: under /tmp)")
+    t.add_argument("--workdir")
+    t.set_defaults(fn=cmd_site)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        return args.fn(args)
+    except ConfigError as err:
+        print(f"sovfl: {err}", file=sys.stderr)
+        return 2
+    except launcher.LaunchError as err:
+        print(f"sovfl: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("sovfl: interrupted; all processes stopped", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""The configuration schema: one YAML file describes a federation and its sites.
+
+Everything is validated before any process starts; an invalid file is rejected with a message
+that names the file, the field and what to do about it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+
+from site_trainer.config import SiteConfig, StrictModel, WorkloadConfig
+
+
+class Deadlines(StrictModel):
+    """Every wait has a deadline (seconds)."""
+
+    connect_s: float = Field(120.0, gt=0, description="wait for sites to connect to the SuperLink")
+    round_s: float = Field(300.0, gt=0, description="one round's train stage, all sites")
+    evaluate_s: float = Field(120.0, gt=0, description="one round's evaluate stage")
+    trainer_start_s: float = Field(300.0, gt=0, description="a site trainer service to come up")
+
+
+class FederationConfig(StrictModel):
+    """What the coordinator runs."""
+
+    name: str = Field("sovfl", pattern=r"^[A-Za-z0-9_.-]+$")
+    rounds: int = Field(3, ge=1)
+    sites_per_round: int | None = Field(None, ge=1, description="sample this many sites; all if unset")
+    quorum: int = Field(1, ge=1, description="fewest successful sites for a round to count")
+    strategy: Literal["fedavg", "fedadam", "fedyogi"] = "fedavg"
+    update_kind: Literal["weights", "delta"] = "delta"
+    server_lr: float | None = Field(None, gt=0, description="default: 1.0 for fedavg, 0.05 otherwise")
+    server_beta1: float = Field(0.9, ge=0, lt=1)
+    server_beta2: float = Field(0.99, ge=0, lt=1)
+    server_tau: float = Field(1e-3, gt=0)
+    evaluate: bool = True
+    seed: int = 0
+    deadlines: Deadlines = Deadlines()
+
+    @property
+    def effective_server_lr(self) -> float:
+        # FedAdam/FedYogi steps are normalised, so lr 1.0 would move every weight by ~1 per round.
+        if self.server_lr is not None:
+            return self.server_lr
+        return 1.0 if self.strategy == "fedavg" else 0.05
+
+
+class ExperimentConfig(StrictModel):
+    """A whole run: federation, workload and sites (the unit `sovfl simulate` takes)."""
+
+    federation: FederationConfig = FederationConfig()
+    workload: WorkloadConfig = WorkloadConfig()
+    sites: list[SiteConfig] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ExperimentConfig":
+        ids = [s.id for s in self.sites]
+        dup = sorted({i for i in ids if ids.count(i) > 1})
+        if dup:
+            raise ValueError(f"site ids must be unique; repeated: {dup}")
+        n = len(self.sites)
+        if self.federation.quorum > n:
+            raise ValueError(
+                f"federation.quorum ({self.federation.quorum}) exceeds the number of sites ({n}); "
+                f"lower it to at most {n}"
+            )
+        sample = self.federation.sites_per_round or n
+        if sample > n:
+            raise ValueError(f"federation.sites_per_round ({sample}) exceeds the number of sites ({n})")
+        if self.federation.quorum > sample:
+            raise ValueError(
+                f"federation.quorum ({self.federation.quorum}) exceeds sites_per_round ({sample})"
+            )
+        parts = [s.partition for s in self.sites]
+        if sorted(parts) != list(range(n)):
+            raise ValueError(
+                f"site partitions must be 0..{n - 1}, each used once; got {parts}"
+            )
+        return self
+
+
+class ConfigError(ValueError):
+    """A configuration file is invalid; the message says where and how to fix it."""
+
+
+def _format_errors(path: Path, err: ValidationError) -> str:
+    lines = [f"{path}: invalid configuration ({err.error_count()} problem(s)):"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"].removeprefix("Value error, ")
+        hint = ""
+        if e["type"] == "extra_forbidden":
+            hint = " — unknown field; check its spelling against configs/README.md"
+        elif e["type"] == "missing":
+            hint = " — required; add it"
+        elif e.get("input") is not None and e["type"] not in ("value_error",):
+            hint = f" (got {e['input']!r})"
+        lines.append(f"  - {loc}: {msg}{hint}")
+    return "\n".join(lines)
+
+
+def parse_config(data: object, source: str | Path = "<config>") -> ExperimentConfig:
+    """Validate an already-parsed mapping; errors name `source`."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a YAML mapping at the top level, got {type(data).__name__}")
+    try:
+        return ExperimentConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(Path(source), err)) from None
+
+
+def load_config(path: str | Path) -> ExperimentConfig:
+    """Read and validate a YAML experiment file."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file; pass a path like configs/demo.yaml") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    return parse_config(data, path)

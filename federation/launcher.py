@@ -1,0 +1,272 @@
+"""Starts and supervises the real processes of a federation: SuperLink, SuperNodes, trainer pools.
+
+`simulate` puts all of them on loopback; `coordinator` and `site` run the same pieces on
+separate machines. Every child runs in its own process group with a run marker in its
+environment, and is torn down (SIGTERM, then SIGKILL) on success, failure and Ctrl-C.
+Every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from federation.config import ExperimentConfig, load_config
+from site_trainer import endpoint
+from site_trainer.config import SiteConfig, TrainerConfig
+
+APP_DIR = Path(__file__).parent / "flwr_app"
+MARKER = "SOVFL_RUN_MARKER"
+
+
+class LaunchError(RuntimeError):
+    """A process could not be started or died; the message names it and points at its log."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _bin(name: str) -> str:
+    """Console scripts from the interpreter's own environment (works without an activated venv)."""
+    path = Path(sys.executable).parent / name
+    return str(path) if path.exists() else name
+
+
+def tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return "(no log)"
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log: Path
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+
+@dataclass
+class Supervisor:
+    """Owns child processes; `close()` leaves none behind."""
+
+    workdir: Path
+    marker: str = field(default_factory=lambda: uuid.uuid4().hex)
+    procs: list[Proc] = field(default_factory=list)
+
+    def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({MARKER: self.marker, "FLWR_TELEMETRY_ENABLED": "0", "PYTHONUNBUFFERED": "1",
+                    "FLWR_HOME": str(self.workdir / "flwr-home")})
+        env.update(extra or {})
+        return env
+
+    def start(self, name: str, argv: list[str], extra_env: dict[str, str] | None = None) -> Proc:
+        logs = self.workdir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        log = logs / f"{name}.log"
+        with open(log, "ab") as out:
+            popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=self.env(extra_env), cwd=self.workdir, start_new_session=True)
+        proc = Proc(name, popen, log)
+        self.procs.append(proc)
+        return proc
+
+    def stop(self, proc: Proc, grace_s: float = 10.0) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.popen.pid, signal.SIGTERM)
+        try:
+            proc.popen.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        with contextlib.suppress(ProcessLookupError):  # stragglers in the group (e.g. superexec)
+            os.killpg(proc.popen.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.popen.wait(timeout=5)
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            self.stop(proc)
+        self.procs.clear()
+        for pid in marked_pids(self.marker):  # anything that left its group
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def marked_pids(marker: str) -> list[int]:
+    """Live processes whose environment carries this run's marker."""
+    needle = f"{MARKER}={marker}".encode()
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                if state != "Z":
+                    out.append(int(entry.name))
+        except (OSError, IndexError):
+            continue
+    return out
+
+
+# ---- the pieces ----------------------------------------------------------------------------
+
+def start_superlink(sup: Supervisor, port: int, host: str = "127.0.0.1") -> Proc:
+    return sup.start("superlink", [
+        _bin("flower-superlink"), "--insecure", "--disable-runtime-dependency-installation",
+        "--host", host, "--port", str(port), "--database", str(sup.workdir / "superlink.db"),
+    ])
+
+
+def start_trainer(sup: Supervisor, site: SiteConfig, cfg: ExperimentConfig, socket_path: str) -> Proc:
+    tcfg = TrainerConfig(site=site, workload=cfg.workload, num_partitions=len(cfg.sites),
+                         seed=cfg.federation.seed, socket=socket_path,
+                         workdir=str(sup.workdir / "sites" / site.id))
+    Path(tcfg.workdir).mkdir(parents=True, exist_ok=True)
+    cfg_path = Path(tcfg.workdir) / "trainer.json"
+    cfg_path.write_text(tcfg.model_dump_json(indent=2))
+    return sup.start(f"site-{site.id}-trainer", [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={site.ranks}",
+        "-m", "site_trainer", "--config", str(cfg_path),
+    ], {"OMP_NUM_THREADS": "1"})
+
+
+def start_supernode(sup: Supervisor, site: SiteConfig, superlink: str, socket_path: str) -> Proc:
+    node_config = f'site-id="{site.id}" trainer-socket="{socket_path}"'
+    return sup.start(f"site-{site.id}-supernode", [
+        _bin("flower-supernode"), "--insecure", "--superlink", superlink, "--port", str(free_port()),
+        "--node-config", node_config, "--max-wait-time", "600",
+    ])
+
+
+def wait_trainers(procs: dict[str, Proc], sockets: dict[str, str], deadline_s: float,
+                  progress: Callable[[str], None]) -> None:
+    end = time.monotonic() + deadline_s
+    waiting = set(procs)
+    while waiting:
+        for site in sorted(waiting):
+            proc = procs[site]
+            if not proc.alive():
+                raise LaunchError(f"site {site}: trainer exited with code {proc.popen.returncode} before it was "
+                                  f"ready; see {proc.log}:\n{tail(proc.log)}")
+            with contextlib.suppress(endpoint.TrainerUnavailable, endpoint.TrainerError):
+                if Path(sockets[site] + ".ready").exists():
+                    info = endpoint.call(sockets[site], "Info", {}, timeout_s=5)
+                    progress(f"site {site}: trainer ready ({info['ranks']} rank(s), {info['num_examples']} examples)")
+                    waiting.discard(site)
+        if waiting and time.monotonic() > end:
+            raise LaunchError(f"trainer(s) {sorted(waiting)} not ready within {deadline_s:.0f}s; see {sup_logs(procs)}")
+        if waiting:
+            time.sleep(0.5)
+
+
+def sup_logs(procs: dict[str, Proc]) -> str:
+    return ", ".join(str(p.log) for p in procs.values())
+
+
+def write_flwr_connection(sup: Supervisor, address: str) -> None:
+    home = sup.workdir / "flwr-home"
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "config.toml").write_text(
+        f'[superlink]\ndefault = "sovfl"\n\n[superlink.sovfl]\naddress = "{address}"\ninsecure = true\n'
+    )
+
+
+def submit_run(sup: Supervisor, config_path: Path, address: str) -> Proc:
+    write_flwr_connection(sup, address)
+    run_config = f'config-path="{config_path.resolve()}" workdir="{sup.workdir.resolve()}"'
+    return sup.start("flwr-run", [_bin("flwr"), "run", str(APP_DIR), "sovfl", "--run-config", run_config, "--stream"])
+
+
+def watch_run(sup: Supervisor, must_live: list[Proc], sites: dict[str, Proc], deadline_s: float,
+              progress: Callable[[str], None]) -> dict:
+    """Relay progress lines until result.json appears; fail fast if the coordinator side dies."""
+    result_path, progress_path = sup.workdir / "result.json", sup.workdir / "progress.log"
+    seen, reported_dead = 0, set()
+    end = time.monotonic() + deadline_s
+    run_proc = next((p for p in must_live if p.name == "flwr-run"), None)
+    run_exited_at: float | None = None
+    while True:
+        if progress_path.exists():
+            lines = progress_path.read_text().splitlines()
+            for line in lines[seen:]:
+                progress(line)
+            seen = len(lines)
+        if result_path.exists():
+            return json.loads(result_path.read_text())
+        for name, proc in sites.items():
+            if not proc.alive() and name not in reported_dead:
+                reported_dead.add(name)
+                progress(f"site {name}: process {proc.name} exited with code {proc.popen.returncode}; "
+                         f"the federation goes on without it (log: {proc.log})")
+        for proc in must_live:
+            if proc is run_proc:
+                if not proc.alive() and run_exited_at is None:
+                    run_exited_at = time.monotonic()
+                continue
+            if not proc.alive():
+                raise LaunchError(f"{proc.name} exited with code {proc.popen.returncode}; see {proc.log}:\n{tail(proc.log)}")
+        if run_exited_at is not None and time.monotonic() - run_exited_at > 15:
+            raise LaunchError(f"the Flower run ended without a result; see {run_proc.log}:\n{tail(run_proc.log)}")
+        if time.monotonic() > end:
+            raise LaunchError(f"the federation did not finish within {deadline_s:.0f}s")
+        time.sleep(0.5)
+
+
+def run_deadline(cfg: ExperimentConfig) -> float:
+    d = cfg.federation.deadlines
+    per_round = d.round_s + (d.evaluate_s if cfg.federation.evaluate else 0)
+    return d.connect_s * 2 + cfg.federation.rounds * per_round + 120
+
+
+def result_line(result: dict) -> str:
+    fmt = lambda v: "nan" if v is None else f"{v:.6f}"  # noqa: E731
+    return f"RESULT rounds={result.get('aggregated_rounds', 0)} first_loss={fmt(result.get('first_loss'))} " \
+           f"last_loss={fmt(result.get('last_loss'))}"
+
+
+def simulate(config_path: str | Path, workdir: str | Path | None = None,
+             progress: Callable[[str], None] = print) -> dict:
+    """Run a whole federation on loopback with real processes; returns the run's result."""
+    config_path = Path(config_path)
+    cfg = load_config(config_path)
+    workdir = Path(workdir or Path("runs") / f"{cfg.federation.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    sockdir = Path(tempfile.mkdtemp(prefix="sovfl-"))  # short: Unix socket paths are limited
+    sup = Supervisor(workdir)
+    progress(f"sovfl simulate: {len(cfg.sites)} site(s) x ranks {[s.ranks for s in cfg.sites]}, "
+             f"{cfg.federation.rounds} round(s); logs in {workdir / 'logs'}")
+    try:
+        port = free_port()
+        superlink = start_superlink(sup, port)
+        sockets = {s.id: str(sockdir / f"{s.id}.sock") for s in cfg.sites}
+        trainers = {s.id: start_trainer(sup, s, cfg, sockets[s.id]) for s in cfg.sites}
+        wait_trainers(trainers, sockets, cfg.federation.deadlines.trainer_start_s, progress)
+        supernodes = {s.id: start_supernode(sup, s, f"127.0.0.1:{port}", sockets[s.id]) for s in cfg.sites}
+        run = submit_run(sup, config_path, f"127.0.0.1:{port}")
+        watched = {**trainers, **{f"{k} (supernode)": v for k, v in supernodes.items()}}
+        result = watch_run(sup, [superlink, run], watched, run_deadline(cfg), progress)
+    finally:
+        sup.close()
+        shutil.rmtree(sockdir, ignore_errors=True)
+    result["workdir"] = str(workdir)
+    return result

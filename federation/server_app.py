@@ -1,0 +1,52 @@
+"""The ServerApp: reads the experiment file named in the run config and drives the rounds."""
+
+from __future__ import annotations
+
+import json
+import logging
+import traceback
+from pathlib import Path
+
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
+
+from federation.config import ConfigError, load_config
+from federation.coordinator import Coordinator, FederationFailed
+
+app = ServerApp()
+log = logging.getLogger("sovfl.server")
+
+
+def progress_writer(workdir: Path):
+    path = workdir / "progress.log"
+
+    def write(line: str) -> None:
+        print(f"[sovfl] {line}", flush=True)
+        with path.open("a") as f:
+            f.write(line + "\n")
+    return write
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    workdir = Path(str(context.run_config.get("workdir") or ".")).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    progress = progress_writer(workdir)
+    result: dict
+    try:
+        cfg = load_config(str(context.run_config["config-path"]))
+        from site_trainer.workloads import initial_weights  # torch lives only in this process
+
+        initial = initial_weights(cfg.workload, cfg.federation.seed)
+        progress(f"federation '{cfg.federation.name}': {cfg.federation.rounds} round(s), {len(cfg.sites)} site(s), "
+                 f"strategy {cfg.federation.strategy}, model {sum(v.size for v in initial.values()):,} parameters")
+        result = Coordinator(grid, cfg, workdir, context.run_id, initial, progress).run()
+    except (ConfigError, FederationFailed) as err:
+        progress(f"FAILED: {err}")
+        result = {"status": "failed", "error": str(err)}
+    except Exception as err:  # the run must end with a result, never silently
+        progress(f"FAILED: unexpected {type(err).__name__}: {err}")
+        traceback.print_exc()
+        result = {"status": "failed", "error": f"{type(err).__name__}: {err}"}
+    (workdir / "result.json").write_text(json.dumps(result, indent=2))
+    progress(f"finished: {result['status']}")

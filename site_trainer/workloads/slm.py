@@ -1,0 +1,124 @@
+"""A small byte-level GPT trained on the Python standard library's own sources.
+
+The corpus ships with Python, so nothing is downloaded; modules are dealt to sites by name,
+which makes the split naturally non-IID (each site reads different code).
+"""
+
+from __future__ import annotations
+
+import math
+import sysconfig
+import zlib
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from site_trainer.config import WorkloadConfig
+
+VOCAB = 256
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.out = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, n_layer: int, n_head: int, n_embd: int, block_size: int):
+        super().__init__()
+        self.block_size = block_size
+        self.tok = nn.Embedding(VOCAB, n_embd)
+        self.pos = nn.Embedding(block_size, n_embd)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer))
+        self.ln = nn.LayerNorm(n_embd)
+        self.head = nn.Linear(n_embd, VOCAB, bias=False)
+        self.apply(self._init)
+        for name, p in self.named_parameters():
+            if name.endswith(("proj.weight", "out.weight")):  # GPT-2's scaled residual init
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * n_layer))
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tok(idx) + self.pos(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+def make_model(cfg: WorkloadConfig) -> nn.Module:
+    return GPT(cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size)
+
+
+def stdlib_modules() -> list[Path]:
+    """The standard library's .py files, sorted, tests and site-packages left out."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = ("site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__")
+    return sorted(p for p in root.rglob("*.py") if not any(part in skip for part in p.relative_to(root).parts))
+
+
+def site_corpus(partition: int, num_partitions: int, max_bytes: int) -> bytes:
+    """This site's bytes: the modules whose name hashes to its partition, up to `max_bytes`."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    chunks, size = [], 0
+    for path in stdlib_modules():
+        top = path.relative_to(root).parts[0]
+        if zlib.crc32(top.encode()) % num_partitions != partition:
+            continue
+        data = path.read_bytes()
+        chunks.append(data)
+        size += len(data)
+        if size >= max_bytes:
+            break
+    corpus = b"".join(chunks)[:max_bytes]
+    if len(corpus) < 10_000:
+        raise RuntimeError(f"partition {partition}/{num_partitions} has only {len(corpus)} bytes of stdlib source")
+    return corpus
+
+
+def make_data(cfg: WorkloadConfig, partition: int, num_partitions: int, seed: int):
+    """Windows of `block_size + 1` bytes; the tail of the site's corpus is held out for evaluation."""
+    from site_trainer.workloads import SiteData
+
+    data = np.frombuffer(site_corpus(partition, num_partitions, cfg.corpus_bytes_per_site), dtype=np.uint8)
+    split = int(len(data) * (1 - cfg.val_fraction))
+    t = cfg.block_size
+
+    def windows(arr: np.ndarray, stride: int) -> tuple[torch.Tensor, torch.Tensor]:
+        starts = np.arange(0, len(arr) - t - 1, stride)
+        idx = starts[:, None] + np.arange(t + 1)[None, :]
+        w = torch.from_numpy(arr[idx].astype(np.int64))
+        return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+
+    tx, ty = windows(data[:split], max(1, t // 2))
+    vx, vy = windows(data[split:], t)
+    return SiteData(tx, ty, vx, vy)
+
+
+def batch_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, int]:
+    logits = model(x)
+    return F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1)), -1
