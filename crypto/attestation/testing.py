@@ -1,0 +1,65 @@
+"""A local attestation-token issuer for tests and demos: a generated key, its JWKS, and tokens
+shaped like an attestation service's (EAT claims). Not a root of trust."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
+
+from .attester import Attester
+from .jws import public_jwk, sign_jws
+from .models import Evidence, b64url, key_hash
+
+GOOD_MEASUREMENT = "a1" * 48  # a made-up 384-bit launch measurement
+
+
+def _new_key(alg: str) -> Any:
+    if alg.startswith("ES"):
+        curve = {"ES256": ec.SECP256R1, "ES384": ec.SECP384R1, "ES512": ec.SECP521R1}[alg]()
+        return ec.generate_private_key(curve)
+    if alg.startswith(("RS", "PS")):
+        return rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    return ed25519.Ed25519PrivateKey.generate()
+
+
+class LocalTokenIssuer:
+    """Mints signed EAT-style JWTs; ``jwks()`` is what a verifier config trusts."""
+
+    def __init__(self, issuer: str = "https://attestation.test", alg: str = "ES256", kid: str = "test-key-1",
+                 audience: str = "sovereign-fl"):
+        self.issuer, self.alg, self.kid, self.audience = issuer, alg, kid, audience
+        self.key = _new_key(alg)
+
+    def jwks(self) -> dict[str, Any]:
+        return {"keys": [public_jwk(self.key, self.kid, self.alg)]}
+
+    def verifier_config(self, **overrides: Any) -> dict[str, Any]:
+        return {"jwks": self.jwks(), "issuer": self.issuer, "audience": self.audience, **overrides}
+
+    def mint(self, *, nonce: bytes, public_key: bytes, measurement: str = GOOD_MEASUREMENT, debug: bool = False,
+             lifetime_s: float = 300.0, iat: float | None = None, extra: dict[str, Any] | None = None,
+             signing_key: Any = None, kid: str | None = None) -> str:
+        iat = time.time() if iat is None else iat
+        claims = {"iss": self.issuer, "aud": self.audience, "iat": int(iat), "nbf": int(iat),
+                  "exp": int(iat + lifetime_s), "eat_nonce": b64url(nonce), "sovfl_key_hash": b64url(key_hash(public_key)),
+                  "measurement": measurement, "dbgstat": "enabled" if debug else "disabled-since-boot",
+                  "eat_profile": "tag:sovereign-fl,2025:test-issuer"}
+        claims.update(extra or {})
+        return sign_jws(claims, signing_key or self.key, self.alg, kid or self.kid)
+
+
+class LocalTokenAttester(Attester):
+    """Attester whose "TEE" is the local issuer: for end-to-end tests of the admission flow."""
+
+    format = "eat-jwt"
+
+    def __init__(self, party: str, issuer: LocalTokenIssuer, **mint_kwargs: Any):
+        super().__init__(party)
+        self.issuer, self.mint_kwargs = issuer, mint_kwargs
+
+    def attest(self, nonce: bytes, public_key: bytes) -> Evidence:
+        token = self.issuer.mint(nonce=nonce, public_key=public_key, **self.mint_kwargs)
+        return Evidence(format=self.format, attester=self.party, nonce=b64url(nonce), public_key=b64url(public_key),
+                        payload=token)

@@ -1,0 +1,108 @@
+"""Manifests: the JSON that says who a bundle belongs to and which public keys it trusts.
+
+The coordinator's site registry is signed by the federation CA, so a coordinator that pins the
+CA fingerprint detects a registry edited behind its back.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Literal
+
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric import ec, ed25519, x25519
+from pydantic import BaseModel, ConfigDict
+
+from .keys import canonical_json
+
+MANIFEST = "manifest.json"
+REGISTRY = "registry.json"
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def unb64(text: str) -> bytes:
+    return base64.b64decode(text, validate=True)
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SiteRecord(_Model):
+    """What the coordinator knows about a site (public material only)."""
+
+    name: str
+    client_cert_serial: str  # hex, matches CRL entries
+    client_cert_fingerprint: str
+    sign_ed25519: str  # base64 raw public key: verifies update signatures
+    supernode_auth_openssh: str  # for `flwr supernode register`
+    supernode_auth_fingerprint: str
+    issued_at: str
+
+    def signing_public_key(self) -> ed25519.Ed25519PublicKey:
+        return ed25519.Ed25519PublicKey.from_public_bytes(unb64(self.sign_ed25519))
+
+
+class CoordinatorRecord(_Model):
+    """What a site knows about the coordinator."""
+
+    name: str
+    hosts: list[str]
+    server_cert_serial: str
+    server_cert_fingerprint: str
+    seal_x25519: str  # base64 raw public key: sites seal updates to it
+    sign_ed25519: str  # base64 raw public key: verifies coordinator-signed messages
+    issued_at: str
+
+    def sealing_public_key(self) -> x25519.X25519PublicKey:
+        return x25519.X25519PublicKey.from_public_bytes(unb64(self.seal_x25519))
+
+    def signing_public_key(self) -> ed25519.Ed25519PublicKey:
+        return ed25519.Ed25519PublicKey.from_public_bytes(unb64(self.sign_ed25519))
+
+
+class BundleManifest(_Model):
+    """``manifest.json`` of one bundle (NVFlare-style startup kit)."""
+
+    party: str
+    role: Literal["ca", "coordinator", "site"]
+    federation_id: str
+    ca_fingerprint: str
+    created_at: str
+    files: dict[str, str]  # logical name -> file name in the bundle
+    fingerprints: dict[str, str]
+    coordinator: CoordinatorRecord | None = None  # site bundles
+    site: SiteRecord | None = None  # site bundles: its own public record
+    sites: dict[str, SiteRecord] | None = None  # coordinator bundle: all sites
+
+
+class RegistryBody(_Model):
+    federation_id: str
+    ca_fingerprint: str
+    issued_at: str
+    coordinator: CoordinatorRecord
+    sites: dict[str, SiteRecord]
+
+
+class SignedRegistry(_Model):
+    body: RegistryBody
+    signature: str  # base64 ECDSA-SHA256 (DER) by the CA key over canonical JSON of body
+
+    @classmethod
+    def sign(cls, body: RegistryBody, ca_key: ec.EllipticCurvePrivateKey) -> "SignedRegistry":
+        sig = ca_key.sign(canonical_json(body.model_dump(mode="json")), ec.ECDSA(hashes.SHA256()))
+        return cls(body=body, signature=b64(sig))
+
+    def verify(self, ca_cert: x509.Certificate) -> RegistryBody:
+        key = ca_cert.public_key()
+        assert isinstance(key, ec.EllipticCurvePublicKey)
+        try:
+            key.verify(unb64(self.signature), canonical_json(self.body.model_dump(mode="json")), ec.ECDSA(hashes.SHA256()))
+        except InvalidSignature as exc:
+            raise ValueError("site registry signature does not verify against the federation CA") from exc
+        return self.body
