@@ -80,7 +80,8 @@ class Coordinator:
         for node in nodes:
             rd = content(node)
             result.bytes_down += record_bytes(rd)
-            msgs.append(Message(rd, dst_node_id=node, message_type=kind, ttl=deadline_s))
+            # a little TTL beyond our deadline so a site's own timeout report can still get through
+            msgs.append(Message(rd, dst_node_id=node, message_type=kind, ttl=deadline_s + 10))
         names = {m.metadata.dst_node_id: self._name(m.metadata.dst_node_id) for m in msgs}
         pending: dict[str, int] = {}
         for mid, m in zip(list(self.grid.push_messages(msgs)), msgs):
@@ -96,7 +97,9 @@ class Coordinator:
                     continue
                 name = names[node]
                 if reply.has_error():
-                    result.failed[name] = f"client_error: {reply.error.reason}"
+                    reason = str(reply.error.reason)
+                    result.failed[name] = (f"deadline: the message expired before the site answered ({reason})"
+                                           if "TTL" in reason else f"client_error: {reason}")
                     continue
                 status = reply.content.config_records.get("status")
                 if status is None or not status.get("ok", False):
@@ -153,7 +156,8 @@ class Coordinator:
     def _round_config(self, rnd: int, deadline_s: float) -> ConfigRecord:
         return ConfigRecord({
             "round": rnd, "federation": self.fed.name, "update_kind": self.fed.update_kind,
-            "deadline_s": deadline_s * 0.9,  # leave the relay time to answer before ours runs out
+            # the relay must answer before our deadline, ClientApp start-up (a few seconds) included
+            "deadline_s": max(1.0, deadline_s * 0.8 - 2.0),
         })
 
     def _model_message(self, rnd: int, deadline_s: float) -> Callable[[int], RecordDict]:

@@ -69,7 +69,8 @@ class Supervisor:
     """Owns child processes; `close()` leaves none behind."""
 
     workdir: Path
-    marker: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # inherited when set, so that a caller (a test, a batch system) can find every descendant
+    marker: str = field(default_factory=lambda: os.environ.get(MARKER) or uuid.uuid4().hex)
     procs: list[Proc] = field(default_factory=list)
 
     def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -88,11 +89,13 @@ class Supervisor:
                                      env=self.env(extra_env), cwd=self.workdir, start_new_session=True)
         proc = Proc(name, popen, log)
         self.procs.append(proc)
+        (self.workdir / "pids.json").write_text(json.dumps({p.name: p.popen.pid for p in self.procs}, indent=1))
         return proc
 
     def stop(self, proc: Proc, grace_s: float = 10.0) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.popen.pid, signal.SIGTERM)
+            os.killpg(proc.popen.pid, signal.SIGCONT)  # a stopped (hung) process must see the TERM
         try:
             proc.popen.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:

@@ -1,0 +1,142 @@
+"""End to end: a real SuperLink, SuperNodes and torchrun trainer pools on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, live_marked, write_config
+from federation.checkpoint import load_checkpoint
+
+pytestmark = pytest.mark.e2e
+
+
+def _site(i: int, name: str, ranks: int, **kw) -> dict:
+    return {"id": name, "ranks": ranks, "partition": i, "local_steps": 5, "batch_size": 16, "lr": 0.1, **kw}
+
+
+def test_three_sites_two_ranks_weighted_mean_is_exact(tmp_path, marker):
+    """The new global model is the sample-weighted mean of what the sites returned, and every rank
+    of a site holds the same weights after local training."""
+    cfg = {
+        "federation": {"name": "exact", "rounds": 2, "quorum": 3, "update_kind": "weights", "evaluate": False,
+                       "deadlines": {"connect_s": 60, "round_s": 60, "trainer_start_s": 120}},
+        "workload": {"name": "digits", "hidden": 32, "partition": "dirichlet"},
+        "sites": [_site(i, n, 2, dump_updates=True) for i, n in enumerate(["paris", "frankfurt", "milan"])],
+    }
+    path = write_config(tmp_path / "exact.yaml", cfg)
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "federation.cli", "simulate", str(path), "--workdir", str(run)],
+                          capture_output=True, text=True, timeout=400, cwd=ROOT,
+                          env={**os.environ, "SOVFL_RUN_MARKER": marker})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "RESULT rounds=2" in proc.stdout
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [x["status"] for x in lines] == ["aggregated", "aggregated"]
+    for rnd, line in enumerate(lines, start=1):
+        assert set(line["sites"]) == {"paris", "frankfurt", "milan"} and not line["failed"]
+        acc: dict[str, np.ndarray] = {}
+        weight = 0
+        for site, info in line["sites"].items():
+            digests = info["rank_digests"]
+            assert len(digests) == 2 and len(set(digests)) == 1, f"{site} ranks diverged: {digests}"
+            with np.load(run / "sites" / site / "updates" / f"round_{rnd:04d}.npz") as z:
+                for k in z.files:
+                    acc[k] = acc.get(k, 0) + z[k].astype(np.float64) * info["samples"]
+            weight += info["samples"]
+        _, model, _ = load_checkpoint(run / "checkpoints" / f"round_{rnd:04d}.npz")
+        assert set(model) == set(acc)
+        for k in model:
+            np.testing.assert_allclose(model[k], acc[k] / weight, rtol=0, atol=1e-6)
+        assert line["bytes_up"] > 0 and line["bytes_down"] > 0
+    # training really moved the model (a relay that echoed the global model would pass the mean check)
+    from federation.config import load_config
+    from site_trainer.workloads import initial_weights
+
+    init = initial_weights(load_config(path).workload, 0)
+    _, first, _ = load_checkpoint(run / "checkpoints" / "round_0001.npz")
+    assert max(float(np.abs(first[k] - init[k]).max()) for k in init) > 1e-3
+    # different sites trained on different data: their rank digests differ
+    assert len({i["rank_digests"][0] for i in lines[0]["sites"].values()}) == 3
+    assert live_marked(marker) == []
+
+
+def _wait_line(path: Path, n: int, proc: subprocess.Popen, timeout: float) -> list[dict]:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if path.exists():
+            lines = path.read_text().splitlines()
+            if len(lines) >= n:
+                return [json.loads(x) for x in lines]
+        assert proc.poll() is None, "sovfl exited early"
+        time.sleep(0.1)
+    raise AssertionError(f"no metrics line {n} within {timeout}s")
+
+
+def _signal_trainer(run: Path, site: str, sig: int) -> None:
+    """Signal every process of a site's trainer pool (torchrun puts its ranks in their own sessions)."""
+    needle = str(run / "sites" / site / "trainer.json").encode()
+    hit = 0
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if needle in (entry / "cmdline").read_bytes():
+                    os.kill(int(entry.name), sig)
+                    hit += 1
+            except (OSError, ProcessLookupError):
+                pass
+    assert hit >= 2, f"found {hit} trainer process(es) for site {site}"
+
+
+def test_crash_hang_and_hostile_site(tmp_path, marker):
+    """A site whose trainer crashes, one that hangs and one that sends NaN: each is reported by
+    name; rounds go on while the quorum holds, are skipped (model unchanged) when it does not,
+    and the run ends within its deadlines leaving no process behind."""
+    cfg = {
+        "federation": {"name": "faults", "rounds": 3, "quorum": 2,
+                       "deadlines": {"connect_s": 60, "round_s": 20, "evaluate_s": 15, "trainer_start_s": 120}},
+        "workload": {"name": "digits", "hidden": 16},
+        "sites": [_site(0, "a", 1), _site(1, "b", 1), _site(2, "c", 1), _site(3, "hostile", 1, lr=1e30)],
+    }
+    path = write_config(tmp_path / "faults.yaml", cfg)
+    run = tmp_path / "run"
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "federation.cli", "simulate", str(path), "--workdir", str(run)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            env={**os.environ, "SOVFL_RUN_MARKER": marker})
+    try:
+        metrics = run / "metrics.jsonl"
+        _wait_line(metrics, 1, proc, 300)
+        _signal_trainer(run, "c", signal.SIGKILL)  # crash
+        _wait_line(metrics, 2, proc, 200)
+        _signal_trainer(run, "b", signal.SIGSTOP)  # hang
+        out, _ = proc.communicate(timeout=200)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 0, out
+    lines = [json.loads(x) for x in metrics.read_text().splitlines()]
+    r1, r2, r3 = lines
+    assert r1["status"] == "aggregated" and set(r1["sites"]) == {"a", "b", "c"}
+    assert r1["failed"]["hostile"].startswith("rejected non_finite")
+    assert r2["status"] == "aggregated" and set(r2["sites"]) == {"a", "b"}
+    assert "c" in r2["failed"] and "unreachable" in r2["failed"]["c"]
+    assert r3["status"] == "skipped" and set(r3["sites"]) == {"a"}
+    assert "b" in r3["failed"] and any(w in r3["failed"]["b"] for w in ("did not answer", "deadline"))
+    assert r3["rejections"]["non_finite"] == 3
+    # the skipped round left the global model unchanged
+    assert not (run / "checkpoints" / "round_0003.npz").exists()
+    assert os.readlink(run / "checkpoints" / "latest.npz") == "round_0002.npz"
+    assert "site c excluded" in out and "site hostile excluded" in out and "skipped" in out
+    assert "RESULT rounds=2" in out
+    assert elapsed < 400
+    assert live_marked(marker) == []

@@ -1,0 +1,125 @@
+"""Unit tests of the pure pieces: aggregation, update checks, hand-off, endpoint, layering."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from federation.aggregate import ServerOptimizer, WeightedMean
+from federation.checkpoint import load_checkpoint, save_checkpoint
+from federation.pipeline import UpdateRejected, check_update
+from site_trainer import endpoint, handoff
+
+
+def test_weighted_mean_is_sample_weighted():
+    rng = np.random.default_rng(0)
+    ups = [{"w": rng.normal(size=(3, 4)).astype(np.float32)} for _ in range(3)]
+    ns = [10, 30, 60]
+    m = WeightedMean()
+    for u, n in zip(ups, ns):
+        m.add(u, n)
+    want = sum(u["w"].astype(np.float64) * n for u, n in zip(ups, ns)) / sum(ns)
+    np.testing.assert_allclose(m.result()["w"], want, rtol=0, atol=1e-7)
+    with pytest.raises(ValueError):
+        m.add(ups[0], 0)
+    with pytest.raises(ValueError, match="no update"):
+        WeightedMean().result()
+
+
+def test_fedavg_weights_and_delta():
+    model = {"w": np.ones(4, np.float32)}
+    assert np.array_equal(ServerOptimizer("fedavg", "weights").step(model, {"w": np.full(4, 3, np.float32)})["w"], np.full(4, 3))
+    out = ServerOptimizer("fedavg", "delta", lr=0.5).step(model, {"w": np.full(4, 2, np.float32)})
+    np.testing.assert_allclose(out["w"], 2.0)
+
+
+@pytest.mark.parametrize("strategy", ["fedadam", "fedyogi"])
+def test_adaptive_server_optimizers(strategy):
+    opt = ServerOptimizer(strategy, "delta", lr=0.1, beta1=0.9, beta2=0.99, tau=1e-3)
+    model = {"w": np.zeros(2, np.float32)}
+    d = np.array([1.0, -2.0], np.float32)
+    out = opt.step(model, {"w": d})
+    m = 0.1 * d
+    v = np.full(2, 1e-6, np.float32)
+    v = 0.99 * v + 0.01 * d * d if strategy == "fedadam" else v - 0.01 * d * d * np.sign(v - d * d)
+    np.testing.assert_allclose(out["w"], 0.1 * m / (np.sqrt(v) + 1e-3), rtol=1e-5)
+    assert np.sign(out["w"]).tolist() == [1.0, -1.0]
+    state = opt.state()
+    fresh = ServerOptimizer(strategy, "delta", lr=0.1)
+    fresh.load_state(state)
+    np.testing.assert_array_equal(fresh.m["w"], opt.m["w"])
+
+
+@pytest.mark.parametrize("arrays,reason", [
+    ({"w": np.zeros((2, 2), np.float32)}, "wrong_tensors"),
+    ({"w": np.zeros((2, 2), np.float32), "b": np.zeros(3, np.float64)}, "wrong_dtype"),
+    ({"w": np.zeros((2, 3), np.float32), "b": np.zeros(3, np.float32)}, "wrong_shape"),
+    ({"w": np.array([[0, np.nan], [0, 0]], np.float32), "b": np.zeros(3, np.float32)}, "non_finite"),
+    ({"w": np.array([[0, np.inf], [0, 0]], np.float32), "b": np.zeros(3, np.float32)}, "non_finite"),
+])
+def test_bad_updates_rejected(arrays, reason):
+    spec = {"w": ("<f4", (2, 2)), "b": ("<f4", (3,))}
+    with pytest.raises(UpdateRejected) as err:
+        check_update(arrays, spec)
+    assert err.value.reason == reason
+    check_update({"w": np.zeros((2, 2), np.float32), "b": np.zeros(3, np.float32)}, spec)
+
+
+def test_handoff_roundtrip_without_pickle(tmp_path):
+    arrays = {"a": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones(5, np.int64), "e": np.zeros(0, np.float32)}
+    h = handoff.write_arrays(arrays, "t", tmp_path)
+    back = handoff.map_arrays(handoff.Handle.from_json(h.to_json()))
+    for k in arrays:
+        np.testing.assert_array_equal(back[k], arrays[k])
+        assert back[k].dtype == arrays[k].dtype
+    handoff.release(h.path)
+    handoff.release(h.path)  # idempotent
+    with pytest.raises(ValueError, match="malformed"):
+        handoff.Handle.from_json({"path": "x"})
+
+
+def test_handoff_rejects_short_file(tmp_path):
+    h = handoff.write_arrays({"a": np.ones(100, np.float32)}, "t", tmp_path)
+    with open(h.path, "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(ValueError, match="needs"):
+        handoff.map_arrays(h)
+
+
+def test_endpoint_unavailable_and_long_socket(tmp_path):
+    with pytest.raises(endpoint.TrainerUnavailable, match="unreachable"):
+        endpoint.call(str(tmp_path / "none.sock"), "Info", {}, timeout_s=2)
+    with pytest.raises(ValueError, match="Unix socket limit"):
+        endpoint.check_socket_path("/tmp/" + "x" * 200)
+
+
+def test_endpoint_roundtrip_and_errors(tmp_path):
+    sock = str(tmp_path / "t.sock")
+
+    def handler(method, req):
+        return {"ok": req.get("x", 0) > 0, "echo": req.get("x"), "error": "x must be positive"}
+
+    server = endpoint.serve(sock, handler)
+    try:
+        assert endpoint.call(sock, "Info", {"x": 3}, timeout_s=5)["echo"] == 3
+        with pytest.raises(endpoint.TrainerError, match="positive"):
+            endpoint.call(sock, "Train", {"x": -1}, timeout_s=5)
+    finally:
+        server.stop(0)
+
+
+def test_checkpoint_roundtrip(tmp_path):
+    model = {"w": np.arange(4, dtype=np.float32)}
+    save_checkpoint(tmp_path, 1, model, {"m/w": np.ones(4, np.float32)})
+    path = save_checkpoint(tmp_path, 2, {"w": model["w"] * 2}, {})
+    rnd, m, opt = load_checkpoint(tmp_path / "latest.npz")
+    assert rnd == 2 and path.name == "round_0002.npz" and opt == {}
+    np.testing.assert_array_equal(m["w"], model["w"] * 2)
+
+
+def test_clientapp_import_path_is_free_of_torch():
+    code = "import sys, federation.client_app; sys.exit(1 if 'torch' in sys.modules else 0)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
