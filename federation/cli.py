@@ -42,6 +42,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     sup = launcher.Supervisor(workdir)
     try:
         link = launcher.start_superlink(sup, args.port, args.host)
+        launcher.wait_port(link, args.port)
         print(f"SuperLink on {args.host}:{args.port}; waiting for {len(cfg.sites)} site(s)")
         run = launcher.submit_run(sup, Path(args.config), f"127.0.0.1:{args.port}")
         result = launcher.watch_run(sup, [link, run], {}, launcher.run_deadline(cfg), print)

@@ -28,7 +28,8 @@ from site_trainer import endpoint
 from site_trainer.config import SiteConfig, TrainerConfig
 
 APP_DIR = Path(__file__).parent / "flwr_app"
-MARKER = "SOVFL_RUN_MARKER"
+MARKER = "SOVFL_RUN_MARKER"  # set by a caller (test, batch system) to find every descendant
+OWNER = "SOVFL_SUPERVISOR"  # one per Supervisor: what its sweep kills, and nothing else
 
 
 class LaunchError(RuntimeError):
@@ -69,13 +70,12 @@ class Supervisor:
     """Owns child processes; `close()` leaves none behind."""
 
     workdir: Path
-    # inherited when set, so that a caller (a test, a batch system) can find every descendant
-    marker: str = field(default_factory=lambda: os.environ.get(MARKER) or uuid.uuid4().hex)
+    owner: str = field(default_factory=lambda: uuid.uuid4().hex)
     procs: list[Proc] = field(default_factory=list)
 
     def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         env = dict(os.environ)
-        env.update({MARKER: self.marker, "FLWR_TELEMETRY_ENABLED": "0", "PYTHONUNBUFFERED": "1",
+        env.update({OWNER: self.owner, "FLWR_TELEMETRY_ENABLED": "0", "PYTHONUNBUFFERED": "1",
                     "FLWR_HOME": str(self.workdir / "flwr-home")})
         env.update(extra or {})
         return env
@@ -109,14 +109,14 @@ class Supervisor:
         for proc in reversed(self.procs):
             self.stop(proc)
         self.procs.clear()
-        for pid in marked_pids(self.marker):  # anything that left its group
+        for pid in marked_pids(self.owner, OWNER):  # anything that left its group (torchrun's ranks)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
 
-def marked_pids(marker: str) -> list[int]:
-    """Live processes whose environment carries this run's marker."""
-    needle = f"{MARKER}={marker}".encode()
+def marked_pids(marker: str, var: str = MARKER) -> list[int]:
+    """Live processes whose environment carries `var=marker`."""
+    needle = f"{var}={marker}".encode()
     out = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
@@ -138,6 +138,20 @@ def start_superlink(sup: Supervisor, port: int, host: str = "127.0.0.1") -> Proc
         _bin("flower-superlink"), "--insecure", "--disable-runtime-dependency-installation",
         "--host", host, "--port", str(port), "--database", str(sup.workdir / "superlink.db"),
     ])
+
+
+def wait_port(proc: Proc, port: int, deadline_s: float = 60.0) -> None:
+    """Block until `proc` accepts TCP connections on 127.0.0.1:`port`."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if not proc.alive():
+            raise LaunchError(f"{proc.name} exited with code {proc.popen.returncode}; see {proc.log}:\n{tail(proc.log)}")
+        with socket.socket() as s:
+            s.settimeout(1.0)
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise LaunchError(f"{proc.name} did not listen on port {port} within {deadline_s:.0f}s; see {proc.log}")
 
 
 def start_trainer(sup: Supervisor, site: SiteConfig, cfg: ExperimentConfig, socket_path: str) -> Proc:
@@ -264,6 +278,7 @@ def simulate(config_path: str | Path, workdir: str | Path | None = None,
         sockets = {s.id: str(sockdir / f"{s.id}.sock") for s in cfg.sites}
         trainers = {s.id: start_trainer(sup, s, cfg, sockets[s.id]) for s in cfg.sites}
         wait_trainers(trainers, sockets, cfg.federation.deadlines.trainer_start_s, progress)
+        wait_port(superlink, port)
         supernodes = {s.id: start_supernode(sup, s, f"127.0.0.1:{port}", sockets[s.id]) for s in cfg.sites}
         run = submit_run(sup, config_path, f"127.0.0.1:{port}")
         watched = {**trainers, **{f"{k} (supernode)": v for k, v in supernodes.items()}}

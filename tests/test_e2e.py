@@ -140,3 +140,63 @@ def test_crash_hang_and_hostile_site(tmp_path, marker):
     assert "RESULT rounds=2" in out
     assert elapsed < 400
     assert live_marked(marker) == []
+
+
+def test_ctrl_c_tears_everything_down(tmp_path, marker):
+    cfg = {"federation": {"name": "intr", "rounds": 50, "quorum": 1},
+           "workload": {"name": "digits", "hidden": 8},
+           "sites": [_site(0, "a", 2), _site(1, "b", 1)]}
+    path = write_config(tmp_path / "intr.yaml", cfg)
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "federation.cli", "simulate", str(path), "--workdir", str(run)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            env={**os.environ, "SOVFL_RUN_MARKER": marker})
+    try:
+        _wait_line(run / "metrics.jsonl", 1, proc, 300)
+        assert len(live_marked(marker)) >= 6  # superlink, 2 supernodes, 2 torchruns, 3 ranks, ...
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, out
+    assert "interrupted; all processes stopped" in out
+    assert live_marked(marker) == []
+    left = [p for site in ("a", "b") for p in Path("/dev/shm").glob(f"sovfl-{site}-*")]
+    assert not left, f"hand-off files left behind: {left}"
+
+
+def test_coordinator_and_sites_as_separate_commands(tmp_path, marker):
+    """The deployment path of the README: `sovfl coordinator` and one `sovfl site` per site."""
+    cfg = {"federation": {"name": "deploy", "rounds": 1, "quorum": 2,
+                          "deadlines": {"connect_s": 120, "round_s": 60, "evaluate_s": 60}},
+           "workload": {"name": "digits", "hidden": 8},
+           "sites": [_site(0, "paris", 1), _site(1, "frankfurt", 1)]}
+    path = write_config(tmp_path / "deploy.yaml", cfg)
+    from federation.launcher import free_port
+
+    port = free_port()
+    env = {**os.environ, "SOVFL_RUN_MARKER": marker}
+    coord = subprocess.Popen([sys.executable, "-m", "federation.cli", "coordinator", str(path), "--host", "127.0.0.1",
+                              "--port", str(port), "--workdir", str(tmp_path / "coord")],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
+    sites = [subprocess.Popen([sys.executable, "-m", "federation.cli", "site", str(path), "--site", name,
+                               "--superlink", f"127.0.0.1:{port}", "--workdir", str(tmp_path / name),
+                               "--socket", str(tmp_path / f"{name}.sock")],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
+             for name in ("paris", "frankfurt")]
+    try:
+        out, _ = coord.communicate(timeout=300)
+        assert coord.returncode == 0, out
+        assert "RESULT rounds=1" in out
+        for s in sites:
+            assert s.poll() is None  # sites keep serving until stopped
+            s.send_signal(signal.SIGINT)
+        for s in sites:
+            s_out, _ = s.communicate(timeout=60)
+            assert "SuperNode connected" in s_out and s.returncode == 130, s_out
+    finally:
+        for p in (coord, *sites):
+            if p.poll() is None:
+                p.kill()
+    assert live_marked(marker) == []
