@@ -1,0 +1,312 @@
+"""Byte formats of the SecAgg+ messages, and the AEAD envelope that carries shares.
+
+Every message starts with a header: magic, message type, run id, round, client id (the sender of
+a client->server message, the addressee of a server->client one). Receivers check the header
+against their own round before anything else, so a message from another run, round, stage or
+client is rejected with `ReplayedMessageError` (the outer Ed25519 signature layer authenticates
+whole messages). Parsing never raises anything but `MalformedMessageError` on hostile bytes.
+
+Shares travel between neighbours in an envelope: header (run, round, sender, receiver, stage),
+12-byte random nonce, AES-256-GCM ciphertext, with the whole header as associated data. The key
+comes from the pair's X25519 agreement salted with the round context, so a replayed envelope
+fails the header check or, if its header is forged, the tag check (`TamperedMessageError`).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from .context import RoundContext
+from .errors import MalformedMessageError, ReplayedMessageError, TamperedMessageError
+
+MAGIC = b"SAG1"
+ENVELOPE_MAGIC = b"SAE1"
+NONCE_BYTES = 12
+MAX_COUNT = 1 << 20  # entries in any list: far above any realistic roster
+
+
+class MsgType(IntEnum):
+    ADVERTISE_KEYS = 1  # client -> server, stage 1
+    SHARE_KEYS_REQUEST = 2  # server -> client, stage 2
+    SHARE_KEYS_REPLY = 3  # client -> server, stage 2
+    MASKED_INPUT_REQUEST = 4  # server -> client, stage 3
+    UNMASK_REQUEST = 5  # server -> client, stage 4
+    UNMASK_REPLY = 6  # client -> server, stage 4
+    SHARE_ENVELOPE = 7  # client -> client through the server, stage 2 -> 3
+
+
+class ShareKind(IntEnum):
+    SELF_MASK_SEED = 1  # b_u: revealed for survivors
+    MASK_KEY = 2  # s_u private key: revealed for dropped clients
+
+
+class _Writer:
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+
+    def u8(self, v: int) -> _Writer:
+        self.parts.append(struct.pack(">B", v))
+        return self
+
+    def u32(self, v: int) -> _Writer:
+        self.parts.append(struct.pack(">I", v))
+        return self
+
+    def u64(self, v: int) -> _Writer:
+        self.parts.append(struct.pack(">Q", v))
+        return self
+
+    def raw(self, b: bytes) -> _Writer:
+        self.parts.append(bytes(b))
+        return self
+
+    def blob(self, b: bytes) -> _Writer:
+        return self.u32(len(b)).raw(b)
+
+    def ids(self, ids: Sequence[int]) -> _Writer:
+        self.u32(len(ids))
+        for i in ids:
+            self.u64(i)
+        return self
+
+    def done(self) -> bytes:
+        return b"".join(self.parts)
+
+
+class _Reader:
+    def __init__(self, data: bytes) -> None:
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise MalformedMessageError(f"expected bytes, got {type(data).__name__}")
+        self.data = bytes(data)
+        self.pos = 0
+
+    def take(self, n: int) -> bytes:
+        if n < 0 or self.pos + n > len(self.data):
+            raise MalformedMessageError("message truncated")
+        out = self.data[self.pos : self.pos + n]
+        self.pos += n
+        return out
+
+    def u8(self) -> int:
+        return self.take(1)[0]
+
+    def u32(self) -> int:
+        return struct.unpack(">I", self.take(4))[0]
+
+    def u64(self) -> int:
+        return struct.unpack(">Q", self.take(8))[0]
+
+    def blob(self) -> bytes:
+        return self.take(self.u32())
+
+    def count(self) -> int:
+        n = self.u32()
+        if n > MAX_COUNT:
+            raise MalformedMessageError(f"list of {n} entries is too long")
+        return n
+
+    def ids(self) -> list[int]:
+        return [self.u64() for _ in range(self.count())]
+
+    def end(self) -> None:
+        if self.pos != len(self.data):
+            raise MalformedMessageError(f"{len(self.data) - self.pos} trailing bytes")
+
+
+def _header(w: _Writer, magic: bytes, kind: MsgType, ctx: RoundContext) -> _Writer:
+    rid = ctx.run_id.encode()
+    return w.raw(magic).u8(kind).u8(len(rid)).raw(rid).u64(ctx.round)
+
+
+def _check_header(r: _Reader, magic: bytes, kind: MsgType, ctx: RoundContext) -> None:
+    if r.take(len(magic)) != magic:
+        raise MalformedMessageError("not a SecAgg+ message (bad magic)")
+    got = r.u8()
+    try:
+        got_kind = MsgType(got)
+    except ValueError:
+        raise MalformedMessageError(f"unknown message type {got}") from None
+    run_id = r.take(r.u8())
+    rnd = r.u64()
+    if run_id != ctx.run_id.encode() or rnd != ctx.round:
+        raise ReplayedMessageError(
+            f"{got_kind.name} message of run {run_id!r} round {rnd} rejected: "
+            f"this is run {ctx.run_id!r} round {ctx.round} (replayed or misrouted)"
+        )
+    if got_kind != kind:
+        raise ReplayedMessageError(f"expected a {kind.name} message, got {got_kind.name} (wrong stage)")
+
+
+def _check_client(kind: MsgType, got: int, expected: int) -> None:
+    if got != expected:
+        raise ReplayedMessageError(f"{kind.name} message is for/from client {got}, expected {expected}")
+
+
+# ---- stage messages -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Advert:
+    """Stage 1, client -> server: the client's two X25519 public keys (32 bytes each)."""
+
+    client: int
+    c_pk: bytes
+    s_pk: bytes
+
+
+def encode_advert(ctx: RoundContext, a: Advert) -> bytes:
+    return _header(_Writer(), MAGIC, MsgType.ADVERTISE_KEYS, ctx).u64(a.client).raw(a.c_pk).raw(a.s_pk).done()
+
+
+def decode_advert(ctx: RoundContext, data: bytes, sender: int) -> Advert:
+    r = _Reader(data)
+    _check_header(r, MAGIC, MsgType.ADVERTISE_KEYS, ctx)
+    client = r.u64()
+    _check_client(MsgType.ADVERTISE_KEYS, client, sender)
+    a = Advert(client, r.take(32), r.take(32))
+    r.end()
+    return a
+
+
+def encode_share_keys_request(ctx: RoundContext, client: int, roster: Sequence[int], adverts: Sequence[Advert]) -> bytes:
+    """Stage 2, server -> client: the roster U1 and the adverts of the client's neighbours."""
+    w = _header(_Writer(), MAGIC, MsgType.SHARE_KEYS_REQUEST, ctx).u64(client).ids(roster).u32(len(adverts))
+    for a in adverts:
+        w.u64(a.client).raw(a.c_pk).raw(a.s_pk)
+    return w.done()
+
+
+def decode_share_keys_request(ctx: RoundContext, data: bytes, me: int) -> tuple[list[int], list[Advert]]:
+    r = _Reader(data)
+    _check_header(r, MAGIC, MsgType.SHARE_KEYS_REQUEST, ctx)
+    _check_client(MsgType.SHARE_KEYS_REQUEST, r.u64(), me)
+    roster = r.ids()
+    adverts = [Advert(r.u64(), r.take(32), r.take(32)) for _ in range(r.count())]
+    r.end()
+    return roster, adverts
+
+
+def encode_share_keys_reply(ctx: RoundContext, client: int, commitment: bytes, envelopes: dict[int, bytes]) -> bytes:
+    """Stage 2, client -> server: commitment to the self-mask seed, one envelope per neighbour."""
+    w = _header(_Writer(), MAGIC, MsgType.SHARE_KEYS_REPLY, ctx).u64(client).raw(commitment).u32(len(envelopes))
+    for dst, env in envelopes.items():
+        w.u64(dst).blob(env)
+    return w.done()
+
+
+def decode_share_keys_reply(ctx: RoundContext, data: bytes, sender: int) -> tuple[bytes, dict[int, bytes]]:
+    r = _Reader(data)
+    _check_header(r, MAGIC, MsgType.SHARE_KEYS_REPLY, ctx)
+    _check_client(MsgType.SHARE_KEYS_REPLY, r.u64(), sender)
+    commitment = r.take(32)
+    envs: dict[int, bytes] = {}
+    for _ in range(r.count()):
+        dst, env = r.u64(), r.blob()
+        if dst in envs:
+            raise MalformedMessageError(f"two envelopes for client {dst}")
+        envs[dst] = env
+    r.end()
+    return commitment, envs
+
+
+def encode_masked_input_request(ctx: RoundContext, client: int, envelopes: dict[int, bytes]) -> bytes:
+    """Stage 3, server -> client: the envelopes its live neighbours sent it (sender -> bytes)."""
+    w = _header(_Writer(), MAGIC, MsgType.MASKED_INPUT_REQUEST, ctx).u64(client).u32(len(envelopes))
+    for src, env in envelopes.items():
+        w.u64(src).blob(env)
+    return w.done()
+
+
+def decode_masked_input_request(ctx: RoundContext, data: bytes, me: int) -> dict[int, bytes]:
+    r = _Reader(data)
+    _check_header(r, MAGIC, MsgType.MASKED_INPUT_REQUEST, ctx)
+    _check_client(MsgType.MASKED_INPUT_REQUEST, r.u64(), me)
+    envs: dict[int, bytes] = {}
+    for _ in range(r.count()):
+        src, env = r.u64(), r.blob()
+        if src in envs:
+            raise MalformedMessageError(f"two envelopes from client {src}")
+        envs[src] = env
+    r.end()
+    return envs
+
+
+def encode_unmask_request(ctx: RoundContext, client: int, survivors: Sequence[int], dropped: Sequence[int]) -> bytes:
+    """Stage 4, server -> client: which neighbours (and itself) survived, which dropped."""
+    return _header(_Writer(), MAGIC, MsgType.UNMASK_REQUEST, ctx).u64(client).ids(survivors).ids(dropped).done()
+
+
+def decode_unmask_request(ctx: RoundContext, data: bytes, me: int) -> tuple[list[int], list[int]]:
+    r = _Reader(data)
+    _check_header(r, MAGIC, MsgType.UNMASK_REQUEST, ctx)
+    _check_client(MsgType.UNMASK_REQUEST, r.u64(), me)
+    survivors, dropped = r.ids(), r.ids()
+    r.end()
+    return survivors, dropped
+
+
+def encode_unmask_reply(ctx: RoundContext, client: int, shares: Sequence[tuple[int, ShareKind, bytes]]) -> bytes:
+    """Stage 4, client -> server: (owner, kind, share) for each survivor / dropped neighbour."""
+    w = _header(_Writer(), MAGIC, MsgType.UNMASK_REPLY, ctx).u64(client).u32(len(shares))
+    for owner, kind, share in shares:
+        w.u64(owner).u8(kind).blob(share)
+    return w.done()
+
+
+def decode_unmask_reply(ctx: RoundContext, data: bytes, sender: int) -> list[tuple[int, ShareKind, bytes]]:
+    r = _Reader(data)
+    _check_header(r, MAGIC, MsgType.UNMASK_REPLY, ctx)
+    _check_client(MsgType.UNMASK_REPLY, r.u64(), sender)
+    out = []
+    for _ in range(r.count()):
+        owner, kind = r.u64(), r.u8()
+        try:
+            k = ShareKind(kind)
+        except ValueError:
+            raise MalformedMessageError(f"unknown share kind {kind}") from None
+        out.append((owner, k, r.blob()))
+    r.end()
+    return out
+
+
+# ---- share envelopes (AEAD) -----------------------------------------------------------------
+
+
+def _envelope_header(ctx: RoundContext, sender: int, receiver: int) -> bytes:
+    return _header(_Writer(), ENVELOPE_MAGIC, MsgType.SHARE_ENVELOPE, ctx).u64(sender).u64(receiver).done()
+
+
+def seal_envelope(key: bytes, ctx: RoundContext, sender: int, receiver: int, plaintext: bytes) -> bytes:
+    """AES-256-GCM with the header (run, round, stage, sender, receiver) as associated data."""
+    header = _envelope_header(ctx, sender, receiver)
+    nonce = os.urandom(NONCE_BYTES)
+    return header + nonce + AESGCM(key).encrypt(nonce, plaintext, header)
+
+
+def open_envelope(key: bytes, ctx: RoundContext, sender: int, receiver: int, envelope: bytes) -> bytes:
+    """Check the header is for this round and pair, then authenticate and decrypt."""
+    r = _Reader(envelope)
+    _check_header(r, ENVELOPE_MAGIC, MsgType.SHARE_ENVELOPE, ctx)
+    got_sender, got_receiver = r.u64(), r.u64()
+    if (got_sender, got_receiver) != (sender, receiver):
+        raise ReplayedMessageError(
+            f"share envelope from {got_sender} to {got_receiver} rejected: "
+            f"expected from {sender} to {receiver}"
+        )
+    header = envelope[: r.pos]
+    nonce = r.take(NONCE_BYTES)
+    ct = envelope[r.pos :]
+    try:
+        return AESGCM(key).decrypt(nonce, ct, header)
+    except InvalidTag:
+        raise TamperedMessageError(
+            f"share envelope from client {sender} to client {receiver} failed authentication "
+            "(modified in transit, or sealed under another key)"
+        ) from None

@@ -1,0 +1,119 @@
+"""Ring arithmetic, mask expansion and the fixed-point codec (with its error bound)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from crypto.secagg import ring
+from crypto.secagg.encoding import FixedPointCodec
+from crypto.secagg.errors import SecAggConfigError
+from crypto.secagg.prg import MaskExpander, expand
+
+bits_st = st.integers(ring.MIN_BITS, ring.MAX_BITS)
+words = st.lists(st.integers(0, (1 << 32) - 1), min_size=1, max_size=40)
+
+
+@settings(max_examples=80, deadline=None)
+@given(bits=bits_st, a=words, data=st.data())
+def test_ring_ops_match_integer_arithmetic(bits: int, a: list[int], data: st.DataObject) -> None:
+    b = data.draw(st.lists(st.integers(0, (1 << 32) - 1), min_size=len(a), max_size=len(a)))
+    m = 1 << bits
+    A, B = np.array(a, np.uint32), np.array(b, np.uint32)
+    assert ring.add(A, B, bits).tolist() == [(x + y) % m for x, y in zip(a, b)]
+    assert ring.sub(A, B, bits).tolist() == [(x - y) % m for x, y in zip(a, b)]
+    assert ring.neg(A, bits).tolist() == [(-x) % m for x in a]
+    assert ring.add(ring.sub(A, B, bits), B, bits).tolist() == [x % m for x in a]
+
+
+@settings(max_examples=40, deadline=None)
+@given(key=st.binary(min_size=32, max_size=32), n=st.integers(1, 300), off=st.integers(0, 50), cut=st.integers(1, 64))
+def test_masks_have_random_access_and_chunking_does_not_matter(key: bytes, n: int, off: int, cut: int) -> None:
+    whole = expand(key, off + n)
+    ex = MaskExpander(4 * (1 + cut % 5))  # pieces smaller and larger than the chunks
+    parts = [ex.keystream(key, o, min(cut, off + n - o)) for o in range(off, off + n, cut)]
+    assert np.array_equal(np.concatenate(parts), whole[off:])
+
+
+def test_apply_masks_adds_every_signed_mask() -> None:
+    keys = [bytes([i]) * 32 for i in range(3)]
+    signs = [1, -1, 1]
+    out = np.arange(1001, dtype=np.uint32)
+    MaskExpander(64).apply_masks(out[7:], list(zip(keys, signs)), 7)
+    want = np.arange(1001, dtype=np.uint32)[7:]
+    for k, s in zip(keys, signs):
+        want = ring.add(want, expand(k, 994, 7), 32) if s > 0 else ring.sub(want, expand(k, 994, 7), 32)
+    assert np.array_equal(out[7:], want)
+
+
+def test_pairwise_masks_cancel_in_the_ring() -> None:
+    key = bytes(range(32))
+    a = np.zeros(1000, np.uint32)
+    b = np.arange(1000, dtype=np.uint32)
+    ex = MaskExpander(64)
+    for o in range(0, 1000, 256):
+        ex.apply_masks(a[o : o + 256], [(key, +1)], o)
+        ex.apply_masks(b[o : o + 256], [(key, -1)], o)
+    assert np.array_equal(ring.add(a, b, 32), np.arange(1000, dtype=np.uint32))
+
+
+def _codec(bits: int = 32, n: int = 5, w: int = 100, clip: float = 2.0) -> FixedPointCodec:
+    return FixedPointCodec.for_round(clip, bits, w, n)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    bits=st.integers(16, 32),
+    n=st.integers(1, 8),
+    seed=st.integers(0, 2**32),
+    data=st.data(),
+)
+def test_decoded_mean_is_within_the_stated_bound(bits: int, n: int, seed: int, data: st.DataObject) -> None:
+    max_w = data.draw(st.integers(1, 50))
+    codec = FixedPointCodec.for_round(1.5, bits, max_w, n)
+    rng = np.random.default_rng(seed)
+    m = data.draw(st.integers(1, n))  # contributors may be fewer than the clients counted
+    xs = [rng.uniform(-3, 3, 64).astype(np.float32) for _ in range(m)]
+    ws = [data.draw(st.integers(1, max_w)) for _ in range(m)]
+    total = np.zeros(65, np.uint32)
+    for x, w in zip(xs, ws):
+        total = ring.add(total, codec.encode(x, w, rng), bits)
+    assert int(total[-1]) == sum(ws)
+    dec = codec.decode(total)
+    want = sum(w * np.clip(x.astype(np.float64), -1.5, 1.5) for x, w in zip(xs, ws)) / sum(ws)
+    assert np.max(np.abs(dec - want)) <= codec.error_bound(m, sum(ws))
+
+
+def test_extreme_inputs_do_not_wrap() -> None:
+    n, w = 7, 33
+    codec = _codec(bits=20, n=n, w=w)
+    rng = np.random.default_rng(0)
+    x = np.array([np.inf, 1e9, 2.0, -2.0, -np.inf], np.float32)
+    enc = [codec.encode(x, w, rng) for _ in range(n)]
+    total = np.sum(np.stack(enc).astype(np.uint64), axis=0)
+    assert total.max() < 1 << 20  # the integer sum itself is below 2^b: no wraparound
+    dec = codec.decode(total.astype(np.uint32))
+    assert np.allclose(dec, [2, 2, 2, -2, -2], atol=codec.error_bound(n, n * w))
+
+
+def test_stochastic_rounding_is_unbiased() -> None:
+    codec = FixedPointCodec.for_round(1.0, 8, 1, 1)  # coarse grid: 255 levels
+    x = np.full(20000, 0.3217, np.float32)
+    enc = codec.encode(x, 1, np.random.default_rng(1))
+    mean = float(np.mean(enc[:-1])) * codec.step - 1.0
+    assert abs(mean - 0.3217) < 0.2 * codec.step
+    assert len(np.unique(enc[:-1])) == 2  # rounds to the two neighbouring levels only
+
+
+def test_codec_rejects_what_cannot_work() -> None:
+    with pytest.raises(SecAggConfigError, match="cannot hold"):
+        FixedPointCodec.for_round(1.0, 8, 1000, 10)
+    codec = _codec()
+    with pytest.raises(ValueError, match="weight"):
+        codec.encode(np.zeros(3, np.float32), 101, np.random.default_rng())
+    with pytest.raises(ValueError, match="weight"):
+        codec.encode(np.zeros(3, np.float32), 1.5, np.random.default_rng())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="NaN"):
+        codec.encode(np.array([np.nan], np.float32), 1, np.random.default_rng())

@@ -1,0 +1,187 @@
+"""Security properties: masked vectors look uniform, shares are sealed, replays are refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from crypto.secagg import (
+    MalformedMessageError,
+    ProtocolViolationError,
+    ReplayedMessageError,
+    SecAggClient,
+    SecAggConfig,
+    SecAggMessageError,
+    SecAggServer,
+    TamperedMessageError,
+    new_context,
+)
+from crypto.secagg import wire
+from crypto.secagg.keys import KeyPair, share_channel_key
+
+P = 4096
+
+
+def _chi_square_p_value(counts: np.ndarray) -> float:
+    """Upper-tail p-value of Pearson's statistic for uniform counts (scipy if present)."""
+    expected = counts.sum() / counts.size
+    stat = float(((counts - expected) ** 2 / expected).sum())
+    dof = counts.size - 1
+    try:
+        from scipy.stats import chi2
+
+        return float(chi2.sf(stat, dof))
+    except ImportError:  # Wilson-Hilferty normal approximation of the chi-square tail
+        import math
+
+        z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+        return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def _to_stage3(cfg: SecAggConfig, ids: list[int], run: str = "run", rnd: int = 1):  # type: ignore[no-untyped-def]
+    ctx = new_context(run, rnd)
+    clients = {i: SecAggClient(cfg, ctx, i) for i in ids}
+    srv = SecAggServer(cfg, ctx, vector_len=P, sampled=ids)
+    for i in ids:
+        srv.receive_advert(i, clients[i].advertise_keys())
+    srv.close_advertise()
+    for i in ids:
+        srv.receive_share_keys(i, clients[i].share_keys(srv.share_keys_request(i)))
+    srv.close_share_keys()
+    return ctx, clients, srv
+
+
+@pytest.mark.parametrize("bits", [8, 32])
+def test_a_masked_vector_alone_is_uniform_over_the_ring(bits: int) -> None:
+    cfg = SecAggConfig(threshold=2, clip=1.0, bits=bits, max_weight=1, chunk_bytes=1024)
+    _, clients, srv = _to_stage3(cfg, [1, 2, 3])
+    x = np.full(P, 0.25, np.float32)  # a constant input: maximally non-uniform before masking
+    words = np.concatenate([w for _, w in clients[1].masked_input(srv.masked_input_request(1), x, 1)])
+    assert words.max() < 1 << bits
+    top_byte = words >> np.uint32(bits - 8)  # 256 bins over the ring
+    counts = np.bincount(top_byte, minlength=256)
+    assert _chi_square_p_value(counts) > 1e-6  # false alarm once in a million runs
+    plain = srv.params.codec.encode(x, 1, np.random.default_rng())
+    assert _chi_square_p_value(np.bincount(plain >> np.uint32(bits - 8), minlength=256)) < 1e-9
+
+
+def _stage3_request(cfg: SecAggConfig):  # type: ignore[no-untyped-def]
+    ctx, clients, srv = _to_stage3(cfg, [1, 2, 3, 4])
+    return ctx, clients, srv, srv.masked_input_request(1)
+
+
+CFG = SecAggConfig(threshold=2, clip=1.0, chunk_bytes=1024)
+
+
+def _replace_envelope(ctx, request: bytes, me: int, src: int, new_env: bytes) -> bytes:  # type: ignore[no-untyped-def]
+    envs = wire.decode_masked_input_request(ctx, request, me)
+    envs[src] = new_env
+    return wire.encode_masked_input_request(ctx, me, envs)
+
+
+def test_tampered_share_ciphertext_is_rejected() -> None:
+    ctx, clients, _, req = _stage3_request(CFG)
+    env = bytearray(wire.decode_masked_input_request(ctx, req, 1)[2])
+    env[-20] ^= 0x01  # one bit of ciphertext
+    with pytest.raises(TamperedMessageError, match="failed authentication"):
+        clients[1].receive_shares(_replace_envelope(ctx, req, 1, 2, bytes(env)))
+
+
+def test_tampered_header_is_rejected() -> None:
+    """Changing the addressed pair to match another slot still fails: the header is AEAD data."""
+    ctx, clients, _, req = _stage3_request(CFG)
+    env = wire.decode_masked_input_request(ctx, req, 1)[3]
+    hdr_len = len(wire._envelope_header(ctx, 3, 1))
+    forged = wire._envelope_header(ctx, 2, 1) + env[hdr_len:]
+    with pytest.raises(TamperedMessageError):
+        clients[1].receive_shares(_replace_envelope(ctx, req, 1, 2, forged))
+
+
+@pytest.mark.parametrize("other", ["earlier-round", "other-run"])
+def test_replayed_share_envelope_is_rejected(other: str) -> None:
+    ctx, clients, _, req = _stage3_request(CFG)
+    old_ctx = new_context(ctx.run_id, ctx.round - 1) if other == "earlier-round" else new_context("other", ctx.round)
+    # an envelope from client 2 to client 1 made in another round/run (with those rounds' keys)
+    a, b = KeyPair.generate(), KeyPair.generate()
+    old_env = wire.seal_envelope(share_channel_key(a.private, b.public, old_ctx, 2, 1), old_ctx, 2, 1, b"x" * 84)
+    with pytest.raises(ReplayedMessageError, match="replayed"):
+        clients[1].receive_shares(_replace_envelope(ctx, req, 1, 2, old_env))
+    # the same old ciphertext under a forged current header fails authentication
+    hdr_len = len(wire._envelope_header(old_ctx, 2, 1))
+    forged = wire._envelope_header(ctx, 2, 1) + old_env[hdr_len:]
+    with pytest.raises(TamperedMessageError):
+        clients[1].receive_shares(_replace_envelope(ctx, req, 1, 2, forged))
+
+
+def test_replayed_stage_messages_are_rejected() -> None:
+    cfg = SecAggConfig(threshold=2, clip=1.0)
+    old, new = new_context("run", 1), new_context("run", 2)
+    old_client = SecAggClient(cfg, old, 7)
+    srv = SecAggServer(cfg, new, vector_len=10)
+    with pytest.raises(ReplayedMessageError, match="round 1"):
+        srv.receive_advert(7, old_client.advertise_keys())
+    other_run = SecAggClient(cfg, new_context("elsewhere", 2), 7)
+    with pytest.raises(ReplayedMessageError, match="elsewhere"):
+        srv.receive_advert(7, other_run.advertise_keys())
+    good = SecAggClient(cfg, new, 7).advertise_keys()
+    with pytest.raises(ReplayedMessageError):
+        srv.receive_advert(8, good)  # client 8 relaying client 7's message
+    srv.receive_advert(7, good)
+    with pytest.raises(ProtocolViolationError):
+        srv.receive_advert(7, good)  # duplicate
+
+
+def test_a_client_never_reveals_both_secrets_of_a_neighbour() -> None:
+    ctx, clients, srv = _to_stage3(CFG, [1, 2, 3, 4])
+    for i in [1, 2, 3, 4]:
+        for off, w in clients[i].masked_input(srv.masked_input_request(i), np.zeros(P, np.float32), 1):
+            srv.add_masked_chunk(i, off, w)
+    srv.close_masked_input()
+    both = wire.encode_unmask_request(ctx, 1, [1, 2, 3], [2])
+    with pytest.raises(ProtocolViolationError, match="overlap"):
+        clients[1].unmask(both)
+    ok = srv.unmask_request(1)
+    clients[1].unmask(ok)
+    with pytest.raises(ProtocolViolationError):
+        clients[1].unmask(wire.encode_unmask_request(ctx, 1, [1], [2, 3, 4]))  # a second request
+
+
+def test_a_client_masks_only_once() -> None:
+    _, clients, srv = _to_stage3(CFG, [1, 2, 3])
+    req = srv.masked_input_request(1)
+    list(clients[1].masked_input(req, np.zeros(P, np.float32), 1))
+    with pytest.raises(ProtocolViolationError):
+        clients[1].masked_input(req, np.ones(P, np.float32), 1)
+
+
+def test_server_rejects_bad_chunks() -> None:
+    cfg = SecAggConfig(threshold=2, clip=1.0, bits=16, chunk_bytes=1024)
+    _, clients, srv = _to_stage3(cfg, [1, 2, 3])
+    chunks = list(clients[1].masked_input(srv.masked_input_request(1), np.zeros(P, np.float32), 1))
+    off, w = chunks[0]
+    srv.add_masked_chunk(1, off, w)
+    with pytest.raises(ProtocolViolationError, match="overlapping"):
+        srv.add_masked_chunk(1, off + 1, w)
+    with pytest.raises(MalformedMessageError):
+        srv.add_masked_chunk(1, P, w)  # runs past the end
+    with pytest.raises(MalformedMessageError):
+        srv.add_masked_chunk(1, 300, w.astype(np.int64))
+    with pytest.raises(MalformedMessageError, match="ring"):
+        srv.add_masked_chunk(1, 300, np.full(4, 1 << 20, np.uint32))
+    with pytest.raises(ProtocolViolationError):
+        srv.add_masked_chunk(99, 0, w)
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.binary(max_size=300), prefix=st.sampled_from([b"", b"SAG1\x01", b"SAG1\x03\x03run"]))
+def test_hostile_bytes_only_raise_message_errors(data: bytes, prefix: bytes) -> None:
+    cfg = SecAggConfig(threshold=2, clip=1.0)
+    srv = SecAggServer(cfg, new_context("run", 1), vector_len=4)
+    with pytest.raises(SecAggMessageError):
+        srv.receive_advert(1, prefix + data)
+    client = SecAggClient(cfg, new_context("run", 1), 1)
+    client.advertise_keys()
+    with pytest.raises(SecAggMessageError):
+        client.share_keys(prefix + data)
