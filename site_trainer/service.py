@@ -17,6 +17,7 @@ import os
 import queue
 import signal
 import sys
+import threading
 import time
 from concurrent.futures import Future
 from datetime import timedelta
@@ -64,7 +65,12 @@ class TrainerService:
             raise RuntimeError(f"site {s.id}: rank {self.rank} has no training data; use fewer ranks")
         self.gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + s.partition * 1009 + self.rank)
         self.commands: queue.Queue = queue.Queue()
+        # Site-private state the relay keeps here between rounds (codec error-feedback residuals):
+        # named float arrays on rank 0, handed out with Train replies and replaced by PutState.
+        self.site_state: dict[str, np.ndarray] = {}
+        self.state_lock = threading.Lock()
         self.last_reply: str | None = None
+        self.last_state: str | None = None
         self.round_times: list[float] = []
 
     # ---- rank 0: endpoint side ------------------------------------------------------------
@@ -82,6 +88,8 @@ class TrainerService:
         """Called on gRPC threads: queue the work for the main loop and wait for its answer."""
         if method == "Info":
             return self.info()
+        if method == "PutState":
+            return self.put_state(request)
         fut: Future = Future()
         self.commands.put((method, request, fut))
         try:
@@ -89,6 +97,15 @@ class TrainerService:
         except TimeoutError:
             fut.cancel()
             return {"ok": False, "error": f"site {self.cfg.site.id}: {method} did not finish in time"}
+
+    def put_state(self, request: dict) -> dict:
+        try:
+            arrays = handoff.map_arrays(handoff.Handle.from_json(request["state"]))
+        except (KeyError, OSError, ValueError) as err:
+            return {"ok": False, "error": f"site {self.cfg.site.id}: cannot read the state hand-off: {err}"}
+        with self.state_lock:
+            self.site_state = {k: np.array(v) for k, v in arrays.items()}
+        return {"ok": True, "arrays": len(self.site_state)}
 
     def _validated_global(self, request: dict) -> dict[str, np.ndarray]:
         try:
@@ -202,7 +219,13 @@ class TrainerService:
         handle = self._pack_update(arrays, str(rc.get("update_kind", "delta")), int(request.get("round", 0)))
         self.last_reply = handle.path
         metrics.update(load_s=load_s, pack_s=time.perf_counter() - t1)
+        state = None
+        if request.get("with_state"):
+            with self.state_lock:
+                state = handoff.write_arrays(self.site_state, tag=f"{self.cfg.site.id}-state").to_json()
+            self.last_state = state["path"]
         return {
+            "state": state,
             "ok": True,
             "update": handle.to_json(),
             "num_examples": int(len(self.workload.data.train_y)),
@@ -223,13 +246,15 @@ class TrainerService:
                 method, request, fut, arrays = cmd
                 reply = self.run_command(method, request, arrays)
                 if fut is not None and not fut.set_running_or_notify_cancel():
-                    handoff.release(reply.get("update", {}).get("path"))  # nobody waits any more
+                    handoff.release((reply.get("update") or {}).get("path"))  # nobody waits any more
+                    handoff.release((reply.get("state") or {}).get("path"))
                 elif fut is not None:
                     fut.set_result(reply)
         finally:
             if server is not None:
                 server.stop(grace=1.0)
                 handoff.release(self.last_reply)
+                handoff.release(self.last_state)
                 for p in (self.cfg.socket, self.cfg.socket + ".ready"):
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(p)
@@ -244,7 +269,8 @@ class TrainerService:
             arrays = None
             if method != "Heartbeat":
                 handoff.release(self.last_reply)  # the previous reply has been read by now
-                self.last_reply = None
+                handoff.release(self.last_state)
+                self.last_reply = self.last_state = None
                 try:
                     if fut.cancelled():
                         raise RequestRejected("the caller gave up before the request was taken")

@@ -1,0 +1,88 @@
+"""The site trainer service on its own: torchrun, 2 ranks, driven over its Unix socket."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+from federation.launcher import Supervisor, wait_trainers
+from site_trainer import endpoint, handoff, workloads
+from site_trainer.config import SiteConfig, TrainerConfig, WorkloadConfig
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("svc")
+    wl = WorkloadConfig(name="digits", hidden=16)
+    cfg = TrainerConfig(site=SiteConfig(id="s", ranks=2, partition=0, local_steps=3, batch_size=8, grad_accum=2),
+                        workload=wl, num_partitions=2, socket=str(tmp / "s.sock"), workdir=str(tmp / "s"))
+    path = tmp / "trainer.json"
+    path.write_text(cfg.model_dump_json())
+    sup = Supervisor(tmp)
+    proc = sup.start("trainer", [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                                 "-m", "site_trainer", "--config", str(path)], {"OMP_NUM_THREADS": "1"})
+    try:
+        wait_trainers({"s": proc}, {"s": cfg.socket}, 120, lambda _: None)
+        yield cfg, workloads.initial_weights(wl, 0)
+    finally:
+        sup.close()
+
+
+def _call(cfg, method, arrays, **extra):
+    h = handoff.write_arrays(arrays, "test")
+    try:
+        return endpoint.call(cfg.socket, method, {"global": h.to_json(), "timeout_s": 60, **extra}, timeout_s=60)
+    finally:
+        handoff.release(h.path)
+
+
+def test_train_returns_a_real_delta_and_ranks_agree(service):
+    cfg, init = service
+    reply = _call(cfg, "Train", init, round=1, config={"update_kind": "delta"})
+    upd = handoff.Handle.from_json(reply["update"])
+    delta = {k: np.array(v) for k, v in handoff.map_arrays(upd).items()}
+    handoff.release(upd.path)
+    assert set(delta) == set(init)
+    assert max(float(np.abs(d).max()) for d in delta.values()) > 0  # every tensor moved
+    assert all(float(np.abs(d).max()) > 0 for d in delta.values())
+    assert len(reply["rank_digests"]) == 2 and len(set(reply["rank_digests"])) == 1
+    m = reply["metrics"]
+    assert m["steps"] == 3 and m["samples_seen"] == 3 * 2 * 8 * 2  # steps x accum x batch x ranks
+    assert reply["num_examples"] > 0 and np.isfinite(m["loss"])
+
+
+def test_weights_update_kind_returns_trained_weights(service):
+    cfg, init = service
+    r1 = _call(cfg, "Train", init, round=2, config={"update_kind": "weights"})
+    upd = handoff.Handle.from_json(r1["update"])
+    w = {k: np.array(v) for k, v in handoff.map_arrays(upd).items()}
+    handoff.release(upd.path)
+    assert any(not np.allclose(w[k], init[k]) for k in init)
+
+
+@pytest.mark.parametrize("mutate,needle", [
+    (lambda a: {k: v for k, v in list(a.items())[1:]}, "does not match"),
+    (lambda a: {k: (v[:1] if i == 0 else v) for i, (k, v) in enumerate(a.items())}, "expected"),
+    (lambda a: {k: v.astype(np.float64) for k, v in a.items()}, "expected"),
+    (lambda a: {k: np.full_like(v, np.nan) for k, v in a.items()}, "NaN"),
+])
+def test_bad_global_model_is_refused_and_service_survives(service, mutate, needle):
+    cfg, init = service
+    with pytest.raises(endpoint.TrainerError, match=needle):
+        _call(cfg, "Train", mutate(init), round=3)
+    assert _call(cfg, "Evaluate", init)["ok"]  # still serving
+
+
+def test_site_state_survives_between_rounds(service):
+    cfg, init = service
+    state = {"residual": np.arange(5, dtype=np.float32)}
+    h = handoff.write_arrays(state, "state")
+    try:
+        assert endpoint.call(cfg.socket, "PutState", {"state": h.to_json()}, timeout_s=10)["ok"]
+    finally:
+        handoff.release(h.path)
+    reply = _call(cfg, "Train", init, round=4, with_state=True)
+    back = handoff.map_arrays(handoff.Handle.from_json(reply["state"]))
+    np.testing.assert_array_equal(back["residual"], state["residual"])
