@@ -26,6 +26,7 @@ from typing import Callable
 from federation.config import ExperimentConfig, load_config
 from site_trainer import endpoint
 from site_trainer.config import SiteConfig, TrainerConfig
+from site_trainer.launch import torchrun_argv
 
 APP_DIR = Path(__file__).parent / "flwr_app"
 MARKER = "SOVFL_RUN_MARKER"  # set by a caller (test, batch system) to find every descendant
@@ -161,10 +162,7 @@ def start_trainer(sup: Supervisor, site: SiteConfig, cfg: ExperimentConfig, sock
     Path(tcfg.workdir).mkdir(parents=True, exist_ok=True)
     cfg_path = Path(tcfg.workdir) / "trainer.json"
     cfg_path.write_text(tcfg.model_dump_json(indent=2))
-    return sup.start(f"site-{site.id}-trainer", [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={site.ranks}",
-        "-m", "site_trainer", "--config", str(cfg_path),
-    ], {"OMP_NUM_THREADS": "1"})
+    return sup.start(f"site-{site.id}-trainer", torchrun_argv(site, str(cfg_path)), {"OMP_NUM_THREADS": "1"})
 
 
 def start_supernode(sup: Supervisor, site: SiteConfig, superlink: str, socket_path: str) -> Proc:
