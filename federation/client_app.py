@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from federation.codec_stage import CodecStage
+from federation.codecs import CodecStateError
 from federation.pipeline import Payload, Pipeline, RoundContext
 from federation.wire import from_records, to_records
 from site_trainer import endpoint, handoff
@@ -39,14 +42,46 @@ def _fail(msg: Message, site: str, error: str) -> Message:
     return Message(RecordDict({"status": _status(site, False, error)}), reply_to=msg)
 
 
-def site_pipeline(config: ConfigRecord) -> Pipeline:
-    """The stages this site applies before an update leaves it (codecs and protection plug in here)."""
-    return Pipeline()
+def _take_state(reply: dict) -> dict[str, np.ndarray]:
+    if not reply.get("state"):
+        return {}
+    h = handoff.Handle.from_json(reply["state"])
+    try:
+        return {k: np.array(v) for k, v in handoff.map_arrays(h).items()}
+    finally:
+        handoff.release(h.path)
+
+
+def encode_update(arrays: dict[str, np.ndarray], state: dict[str, np.ndarray], cfg: ConfigRecord,
+                  ctx: RoundContext) -> tuple[Payload, dict[str, np.ndarray] | None, dict[str, float]]:
+    """Run the site's pipeline (codec, then protection) on an update.
+
+    Returns the wire payload, the codec state to keep for the next round (None: unchanged) and
+    metrics for the round's line.
+    """
+    spec = str(cfg.get("codec", "identity"))
+    stages, codec = [], None
+    if spec != "identity":
+        codec = CodecStage.from_spec(spec, bool(cfg.get("error_feedback", True)), state=state)
+        stages.append(codec)
+    try:
+        payload = Pipeline(tuple(stages)).encode(Payload(arrays), ctx)
+    except CodecStateError:  # the model changed shape since the residual was kept: start afresh
+        codec.state = {}
+        payload = Pipeline(tuple(stages)).encode(Payload(arrays), ctx)
+    metrics = {"upload_bytes": float(payload.nbytes), "dense_bytes": float(sum(a.nbytes for a in arrays.values()))}
+    if codec is not None:
+        metrics["encode_s"] = codec.encode_s
+    return payload, (codec.new_state if codec else None), metrics
 
 
 @app.query()
 def query(msg: Message, context: Context) -> Message:
     site, sock = _site(context)
+    if "secagg" in msg.content.config_records:  # secure-aggregation stages 1, 2 and 4
+        from federation import secagg_site
+
+        return secagg_site.on_query(msg, context, site)
     try:
         info = endpoint.call(sock, "Info", {}, timeout_s=30)
     except (endpoint.TrainerUnavailable, endpoint.TrainerError) as err:
@@ -59,13 +94,14 @@ def _relay(msg: Message, context: Context, method: str) -> Message:
     site, sock = _site(context)
     cfg = msg.content.config_records.get("config", ConfigRecord())
     deadline = float(cfg.get("deadline_s", 300))
+    with_state = method == "Train" and str(cfg.get("codec", "identity")) != "identity" and bool(cfg.get("error_feedback", True))
     t0 = time.perf_counter()
     glob = from_records(msg.content, "global")
     handle = handoff.write_arrays(glob.arrays, tag=f"{site}-global")
     try:
         reply = endpoint.call(sock, method, {
             "round": int(cfg.get("round", 0)), "global": handle.to_json(), "config": dict(cfg),
-            "timeout_s": deadline,
+            "timeout_s": deadline, "with_state": with_state,
         }, timeout_s=deadline)
     except (endpoint.TrainerUnavailable, endpoint.TrainerError) as err:
         return _fail(msg, site, str(err))
@@ -81,11 +117,27 @@ def _relay(msg: Message, context: Context, method: str) -> Message:
             arrays = handoff.map_arrays(upd)  # views stay valid after the unlink below: no copy
         finally:
             handoff.release(upd.path)
-        ctx = RoundContext(str(cfg.get("federation", "")), int(msg.metadata.run_id), int(cfg.get("round", 0)), site)
-        payload = site_pipeline(cfg).encode(Payload(arrays), ctx)
-        out = to_records(payload, "update", "update_meta")
+        ctx = RoundContext(str(cfg.get("federation", "")), int(msg.metadata.run_id), int(cfg.get("round", 0)), site,
+                           int(cfg.get("seed", 0)))
+        state = _take_state(reply)
+        payload, new_state, pipe_metrics = encode_update(arrays, state, cfg, ctx)
+        pipe_metrics["state_arrays_in"] = float(len(state))
+        if new_state is not None:
+            h = handoff.write_arrays(new_state, tag=f"{site}-state")
+            try:
+                endpoint.call(sock, "PutState", {"state": h.to_json()}, timeout_s=30)
+            except (endpoint.TrainerUnavailable, endpoint.TrainerError) as err:
+                return _fail(msg, site, f"could not keep the codec state for the next round: {err}")
+            finally:
+                handoff.release(h.path)
+        if "secagg" in msg.content.config_records:  # stage 3: the update leaves masked
+            from federation import secagg_site
+
+            out = secagg_site.on_train(msg, context, site, payload, int(reply["num_examples"]))
+        else:
+            out = to_records(payload, "update", "update_meta")
         out["status"] = status
-        metrics["upload_bytes"] = float(payload.nbytes)
+        metrics.update(pipe_metrics)
     metrics["relay_s"] = time.perf_counter() - t0
     out["metrics"] = MetricRecord(metrics)
     return Message(out, reply_to=msg)

@@ -12,6 +12,8 @@ from typing import Literal
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
+from crypto.secagg import SecAggConfig
+from federation.codecs import CodecError, validate_for_protection
 from site_trainer.config import SiteConfig, StrictModel, WorkloadConfig
 
 
@@ -40,6 +42,21 @@ class FederationConfig(StrictModel):
     evaluate: bool = True
     seed: int = 0
     deadlines: Deadlines = Deadlines()
+    codec: str = Field("identity", description="update codec spec, e.g. 'topk:0.01+int8' (see federation/codecs)")
+    error_feedback: bool = Field(True, description="keep what a lossy codec did not send, per site, for the next round")
+    secagg: SecAggConfig = SecAggConfig(enabled=False)
+
+    @property
+    def protection(self) -> str:
+        return "secagg" if self.secagg.enabled else "none"
+
+    @model_validator(mode="after")
+    def _codec_fits_protection(self) -> "FederationConfig":
+        try:
+            validate_for_protection(self.codec, self.protection)  # type: ignore[arg-type]
+        except CodecError as err:
+            raise ValueError(f"codec: {err}") from None
+        return self
 
     @property
     def effective_server_lr(self) -> float:

@@ -19,11 +19,14 @@ import numpy as np
 from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
-from federation.aggregate import ServerOptimizer, WeightedMean
+from federation.aggregate import ServerOptimizer
 from federation.checkpoint import save_checkpoint
+from federation.codec_stage import CodecStage, round_seed
+from federation.codecs import UpdateSpec
 from federation.config import ExperimentConfig
-from federation.pipeline import Payload, Pipeline, RoundContext, UpdateRejected, check_update
-from federation.wire import from_records, to_records
+from federation.pipeline import Payload, Pipeline
+from federation.rounds import PlainRound, RoundProtocol
+from federation.wire import to_records
 
 log = logging.getLogger("sovfl.coordinator")
 POLL_S = 0.2
@@ -61,7 +64,11 @@ class Coordinator:
         self.spec = {k: (v.dtype.str, tuple(v.shape)) for k, v in initial.items()}
         self.opt = ServerOptimizer(self.fed.strategy, self.fed.update_kind, self.fed.effective_server_lr,
                                    self.fed.server_beta1, self.fed.server_beta2, self.fed.server_tau)
-        self.pipeline = Pipeline()
+        self.protocol: RoundProtocol = PlainRound()
+        if self.fed.secagg.enabled:
+            from federation.secagg_round import SecAggRound
+
+            self.protocol = SecAggRound(self.fed.secagg)
         self.sites: dict[int, Site] = {}
         self.rejections: dict[str, int] = {}
         self._progress = progress or (lambda line: log.info(line))
@@ -72,7 +79,7 @@ class Coordinator:
         self._progress(line)
 
     # ---- messaging -------------------------------------------------------------------------
-    def _exchange(self, nodes: Iterable[int], kind: str, content: Callable[[int], RecordDict],
+    def exchange(self, nodes: Iterable[int], kind: str, content: Callable[[int], RecordDict],
                   deadline_s: float) -> StageResult:
         """Push one message per node and collect replies until all answered or the deadline."""
         result = StageResult()
@@ -127,7 +134,7 @@ class Coordinator:
                 break
             time.sleep(0.5)
         self.progress(f"{len(nodes)}/{want} site(s) connected")
-        res = self._exchange(nodes, "query", lambda n: RecordDict({"config": ConfigRecord({})}),
+        res = self.exchange(nodes, "query", lambda n: RecordDict({"config": ConfigRecord({})}),
                              self.fed.deadlines.connect_s)
         known = {s.id for s in self.cfg.sites}
         for name, reply in res.ok.items():
@@ -156,62 +163,58 @@ class Coordinator:
     def _round_config(self, rnd: int, deadline_s: float) -> ConfigRecord:
         return ConfigRecord({
             "round": rnd, "federation": self.fed.name, "update_kind": self.fed.update_kind,
+            "seed": self.round_seed(rnd), "codec": self.fed.codec, "error_feedback": self.fed.error_feedback,
             # the relay must answer before our deadline, ClientApp start-up (a few seconds) included
             "deadline_s": max(1.0, deadline_s * 0.8 - 2.0),
         })
 
-    def _model_message(self, rnd: int, deadline_s: float) -> Callable[[int], RecordDict]:
+    def model_message(self, rnd: int, deadline_s: float) -> Callable[[int], RecordDict]:
         """The global model is serialized once per stage and shared by every site's message."""
         model = to_records(Payload(self.model), "global").array_records["global"]
         config = self._round_config(rnd, deadline_s)
         return lambda node: RecordDict({"global": model, "config": config})
 
+    def update_pipeline(self) -> Pipeline:
+        """The coordinator's side of the update pipeline, fresh per round (stages keep timings)."""
+        stages = []
+        if self.fed.codec != "identity":
+            stages.append(CodecStage.from_spec(self.fed.codec, self.fed.error_feedback, layout=UpdateSpec.of(self.model)))
+        return Pipeline(tuple(stages))
+
+    def round_seed(self, rnd: int) -> int:
+        return round_seed(self.fed.seed, rnd)
+
+    record_bytes = staticmethod(record_bytes)
+
+    def count_rejection(self, reason: str) -> None:
+        self.rejections[reason] = self.rejections.get(reason, 0) + 1
+
     def train_round(self, rnd: int) -> dict:
         t0 = time.monotonic()
         nodes = self.sample(rnd)
-        res = self._exchange(nodes, "train", self._model_message(rnd, self.fed.deadlines.round_s),
-                             self.fed.deadlines.round_s)
-        mean = WeightedMean()
-        per_site: dict[str, dict] = {}
-        failed = dict(res.failed)
-        bytes_up = 0
-        for name, reply in res.ok.items():
-            st = reply.content.config_records["status"]
-            try:
-                payload = from_records(reply.content, "update", "update_meta")
-                bytes_up += record_bytes(reply.content)
-                ctx = RoundContext(self.fed.name, self.run_id, rnd, name)
-                payload = self.pipeline.decode(payload, ctx)
-                check_update(payload.arrays, self.spec)
-                n = int(st["num_examples"])
-                if n <= 0:
-                    raise UpdateRejected("bad_num_examples", f"num_examples is {n}")
-                mean.add(payload.arrays, n)
-            except UpdateRejected as err:
-                self.rejections[err.reason] = self.rejections.get(err.reason, 0) + 1
-                failed[name] = f"rejected {err}"
-                continue
-            m = dict(reply.content.metric_records.get("metrics", {}))
-            per_site[name] = {"loss": m.get("loss"), "samples": int(st["num_examples"]),
-                              "seconds": m.get("train_s"), "relay_s": m.get("relay_s"),
-                              "rank_digests": list(st.get("rank_digests", []))}
-        for name, reason in failed.items():
+        out = self.protocol.train(self, rnd, nodes)
+        for name, reason in out.failed.items():
             self.progress(f"round {rnd}: site {name} excluded: {reason}")
-        line = {"round": rnd, "sites": per_site, "failed": failed, "sampled": len(nodes),
-                "bytes_down": res.bytes_down, "bytes_up": bytes_up, "rejections": dict(self.rejections)}
-        if mean.count >= self.fed.quorum:
-            self.model = self.opt.step(self.model, mean.result())
+        line = {"round": rnd, "sites": out.per_site, "failed": out.failed, "sampled": len(nodes),
+                "bytes_down": out.bytes_down, "bytes_up": out.bytes_up, "rejections": dict(self.rejections),
+                **out.extra}
+        dense = sum(v.nbytes for v in self.model.values())
+        if out.per_site:
+            line["compression_ratio"] = dense * len(out.per_site) / max(
+                1, sum(s.get("upload_bytes", dense) for s in out.per_site.values()))
+        if out.mean is not None and out.count >= self.fed.quorum:
+            self.model = self.opt.step(self.model, out.mean)
             save_checkpoint(self.workdir / "checkpoints", rnd, self.model, self.opt.state())
             line["status"] = "aggregated"
         else:
             line["status"] = "skipped"
-            self.progress(f"round {rnd}: skipped, {mean.count} usable update(s) < quorum {self.fed.quorum}; "
+            self.progress(f"round {rnd}: skipped, {out.count} usable update(s) < quorum {self.fed.quorum}; "
                           "the global model is unchanged")
         line["train_s"] = time.monotonic() - t0
         return line
 
     def evaluate_round(self, rnd: int) -> dict:
-        res = self._exchange(sorted(self.sites), "evaluate", self._model_message(rnd, self.fed.deadlines.evaluate_s),
+        res = self.exchange(sorted(self.sites), "evaluate", self.model_message(rnd, self.fed.deadlines.evaluate_s),
                              self.fed.deadlines.evaluate_s)
         tot = np.zeros(3)
         for reply in res.ok.values():

@@ -165,8 +165,11 @@ def start_trainer(sup: Supervisor, site: SiteConfig, cfg: ExperimentConfig, sock
     return sup.start(f"site-{site.id}-trainer", torchrun_argv(site, str(cfg_path)), {"OMP_NUM_THREADS": "1"})
 
 
-def start_supernode(sup: Supervisor, site: SiteConfig, superlink: str, socket_path: str) -> Proc:
-    node_config = f'site-id="{site.id}" trainer-socket="{socket_path}"'
+def start_supernode(sup: Supervisor, site: SiteConfig, superlink: str, socket_path: str,
+                    extra_node_config: dict[str, str] | None = None) -> Proc:
+    """`extra_node_config` adds `key="value"` pairs (site-local settings the ClientApp reads)."""
+    node_config = " ".join(f'{k}="{v}"' for k, v in
+                           {"site-id": site.id, "trainer-socket": socket_path, **(extra_node_config or {})}.items())
     return sup.start(f"site-{site.id}-supernode", [
         _bin("flower-supernode"), "--insecure", "--superlink", superlink, "--port", str(free_port()),
         "--node-config", node_config, "--max-wait-time", "600",

@@ -75,7 +75,7 @@ class Pipeline:
 
 def check_update(arrays: dict[str, np.ndarray], spec: dict[str, tuple[str, tuple[int, ...]]]) -> None:
     """Reject updates with unknown/missing tensors, wrong shapes or dtypes, NaN or Inf."""
-    if list(arrays) != list(spec):
+    if set(arrays) != set(spec):
         missing = sorted(set(spec) - set(arrays))
         extra = sorted(set(arrays) - set(spec))
         raise UpdateRejected("wrong_tensors", f"missing {missing[:5]}, unexpected {extra[:5]}")

@@ -1,0 +1,61 @@
+"""The codec as a pipeline stage: compress on the site (with error feedback), decode on the
+coordinator. Malformed payloads become counted rejections, never crashes."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from federation.codecs import Codec, CodecError, Encoded, UpdateSpec, parse_codec
+from federation.codecs import RoundContext as CodecRound
+from federation.pipeline import Payload, RoundContext, UpdateRejected
+
+_META_PREFIX = "codec."
+
+
+def round_seed(federation_seed: int, rnd: int) -> int:
+    """The seed every site uses in round `rnd` (shared-seed random-k picks the same coordinates)."""
+    return int(np.random.default_rng([federation_seed, rnd, 0x5EED]).integers(0, 2**63 - 1))
+
+
+class CodecStage:
+    name = "codec"
+
+    def __init__(self, codec: Codec, layout: UpdateSpec | None = None,
+                 state: dict[str, np.ndarray] | None = None):
+        self.codec = codec
+        self.layout = layout
+        self.state = dict(state or {})
+        self.new_state: dict[str, np.ndarray] | None = None
+        self.encode_s = 0.0
+        self.decode_s = 0.0
+
+    @classmethod
+    def from_spec(cls, spec: str, error_feedback: bool, **kw) -> "CodecStage":
+        return cls(parse_codec(spec, error_feedback=error_feedback), **kw)
+
+    def encode(self, payload: Payload, ctx: RoundContext) -> Payload:
+        t0 = time.perf_counter()
+        update = {k: np.asarray(v, dtype=np.float32) for k, v in payload.arrays.items()}
+        enc, new_state = self.codec.encode(update, self.state, CodecRound(ctx.round, ctx.seed))
+        self.new_state = new_state if self.codec.error_feedback else None
+        self.encode_s = time.perf_counter() - t0
+        meta = {**payload.meta, **{_META_PREFIX + k: v for k, v in enc.meta.items()}}
+        return Payload(dict(enc.arrays), meta)
+
+    def decode(self, payload: Payload, ctx: RoundContext) -> Payload:
+        if self.layout is None:
+            raise ValueError("CodecStage.decode needs the model's layout (UpdateSpec)")
+        t0 = time.perf_counter()
+        meta = {k[len(_META_PREFIX):]: v for k, v in payload.meta.items() if k.startswith(_META_PREFIX)}
+        rest = {k: v for k, v in payload.meta.items() if not k.startswith(_META_PREFIX)}
+        if meta.get("codec") != self.codec.spec:
+            raise UpdateRejected("codec_mismatch", f"update encoded with {meta.get('codec')!r}, "
+                                 f"this federation uses {self.codec.spec!r}")
+        try:
+            update = self.codec.decode(Encoded(dict(payload.arrays), meta), self.layout, CodecRound(ctx.round, ctx.seed))
+        except CodecError as err:
+            raise UpdateRejected(f"codec_{type(err).__name__}", str(err)) from None
+        self.decode_s += time.perf_counter() - t0
+        return Payload(update, rest)
