@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from crypto.pki import CoordinatorBundle, provision
 from federation import launcher
 from federation.config import ConfigError, load_config
 
@@ -24,7 +25,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    result = launcher.simulate(args.config, args.workdir)
+    result = launcher.simulate(args.config, args.workdir, insecure=args.insecure)
     if result.get("status") != "ok":
         print(f"sovfl simulate: FAILED: {result.get('error', 'no round reached its quorum')} "
               f"(logs: {result['workdir']}/logs)", file=sys.stderr)
@@ -34,17 +35,48 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bundle_dir(path: str | None, what: str) -> Path:
+    if not path:
+        raise ConfigError(f"{what} needs its provisioned bundle (--bundle DIR, made by `sovfl provision`), "
+                          "or --insecure for a plain-text debug run")
+    bundle = Path(path).resolve()
+    if not (bundle / "ca.crt").exists():
+        raise ConfigError(f"{bundle}: not a provisioned bundle (no ca.crt); run `sovfl provision` first")
+    return bundle
+
+
+def cmd_provision(args: argparse.Namespace) -> int:
+    report = provision(args.out_dir, args.site, coordinator_name=args.coordinator, hosts=tuple(args.host),
+                       rotate=args.rotate)
+    for label in ("created", "kept", "rotated", "refreshed"):
+        names = getattr(report, label)
+        if names:
+            print(f"{label}: {', '.join(names)}")
+    for warning in report.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    print(f"federation {report.federation_id}: give each party only its own bundle "
+          f"({args.out_dir}/coordinator, {args.out_dir}/sites/<name>); keep {args.out_dir}/ca (the CA key) private")
+    return 0
+
+
 def cmd_coordinator(args: argparse.Namespace) -> int:
     """The coordinator machine: a SuperLink reachable by the sites, then the run."""
     cfg = load_config(args.config)
+    bundle = _bundle_dir(args.bundle, "the coordinator")
     workdir = Path(args.workdir or f"runs/{cfg.federation.name}-coordinator").resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     sup = launcher.Supervisor(workdir)
+    if args.insecure:
+        print(launcher.INSECURE_WARNING, file=sys.stderr)
     try:
-        link = launcher.start_superlink(sup, args.port, args.host)
+        link = launcher.start_superlink(sup, args.port, args.host, None if args.insecure else bundle)
         launcher.wait_port(link, args.port)
+        launcher.write_flwr_connection(sup, f"127.0.0.1:{args.port}", None if args.insecure else bundle / "ca.crt")
+        if not args.insecure:
+            keys = {site: Path(p) for site, p in _site_auth_keys(bundle, [s.id for s in cfg.sites]).items()}
+            launcher.register_supernodes(sup, keys)
         print(f"SuperLink on {args.host}:{args.port}; waiting for {len(cfg.sites)} site(s)")
-        run = launcher.submit_run(sup, Path(args.config), f"127.0.0.1:{args.port}")
+        run = launcher.submit_run(sup, Path(args.config), f"127.0.0.1:{args.port}", bundle)
         result = launcher.watch_run(sup, [link, run], {}, launcher.run_deadline(cfg), print)
     finally:
         sup.close()
@@ -52,9 +84,27 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     return 0 if result.get("status") == "ok" else 1
 
 
+def _site_auth_keys(bundle: Path, sites: list[str]) -> dict[str, Path]:
+    """The SuperNode public keys the coordinator admits, written from its provisioned registry."""
+    keys = CoordinatorBundle.load(bundle).supernode_public_keys()
+    missing = sorted(set(sites) - set(keys))
+    if missing:
+        raise ConfigError(f"{bundle}: no provisioned SuperNode key for site(s) {missing}; "
+                          "re-run `sovfl provision` with those --site names")
+    out = {}
+    for site in sites:
+        path = bundle / f"supernode-{site}.pub"
+        path.write_text(keys[site] + "\n")
+        out[site] = path
+    return out
+
+
 def cmd_site(args: argparse.Namespace) -> int:
     """A site machine: its trainer pool and its SuperNode, until Ctrl-C."""
     cfg = load_config(args.config)
+    bundle = _bundle_dir(args.bundle, f"site {args.site}")
+    if args.insecure:
+        print(launcher.INSECURE_WARNING, file=sys.stderr)
     site = next((s for s in cfg.sites if s.id == args.site), None)
     if site is None:
         raise ConfigError(f"{args.config}: no site '{args.site}'; known: {[s.id for s in cfg.sites]}")
@@ -65,7 +115,7 @@ def cmd_site(args: argparse.Namespace) -> int:
     try:
         trainer = launcher.start_trainer(sup, site, cfg, sock)
         launcher.wait_trainers({site.id: trainer}, {site.id: sock}, cfg.federation.deadlines.trainer_start_s, print)
-        node = launcher.start_supernode(sup, site, args.superlink, sock)
+        node = launcher.start_supernode(sup, site, args.superlink, sock, bundle, args.insecure)
         print(f"site {site.id}: SuperNode connected to {args.superlink}; Ctrl-C to stop")
         while trainer.alive() and node.alive():
             time.sleep(1)
@@ -87,13 +137,25 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("simulate", help="run a whole federation on loopback with real processes")
     s.add_argument("config")
     s.add_argument("--workdir", help="where logs, checkpoints and metrics go (default: runs/NAME-TIME)")
+    s.add_argument("--insecure", action="store_true", help="no TLS and no SuperNode authentication (debug only)")
     s.set_defaults(fn=cmd_simulate)
+
+    pv = sub.add_parser("provision", help="create the federation CA and one key bundle per party")
+    pv.add_argument("out_dir")
+    pv.add_argument("--site", action="append", required=True, help="a site name (repeat for each site)")
+    pv.add_argument("--coordinator", default="coordinator", help="the coordinator's name")
+    pv.add_argument("--host", action="append", default=None,
+                    help="a DNS name or IP the sites use to reach the coordinator (repeatable)")
+    pv.add_argument("--rotate", action="append", default=[], help="re-issue this party's keys (repeatable)")
+    pv.set_defaults(fn=cmd_provision)
 
     c = sub.add_parser("coordinator", help="run the SuperLink and the federation on this machine")
     c.add_argument("config")
     c.add_argument("--host", default="0.0.0.0", help="address the sites reach (default: all interfaces)")
     c.add_argument("--port", type=int, default=9092)
     c.add_argument("--workdir")
+    c.add_argument("--bundle", help="the coordinator's provisioned bundle (OUT_DIR/coordinator)")
+    c.add_argument("--insecure", action="store_true", help="no TLS and no SuperNode authentication (debug only)")
     c.set_defaults(fn=cmd_coordinator)
 
     t = sub.add_parser("site", help="run one site's trainer pool and SuperNode on this machine")
@@ -102,12 +164,16 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--superlink", required=True, help="the coordinator's HOST:PORT")
     t.add_argument("--socket", help="the trainer's Unix socket (default: under /tmp)")
     t.add_argument("--workdir")
+    t.add_argument("--bundle", help="this site's provisioned bundle (OUT_DIR/sites/NAME)")
+    t.add_argument("--insecure", action="store_true", help="no TLS and no SuperNode authentication (debug only)")
     t.set_defaults(fn=cmd_site)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "command", None) == "provision" and args.host is None:
+        args.host = ["127.0.0.1", "localhost"]
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         return args.fn(args)

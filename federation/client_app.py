@@ -14,9 +14,11 @@ import numpy as np
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from crypto.pki import SiteBundle
 from federation.codec_stage import CodecStage
 from federation.codecs import CodecStateError
 from federation.pipeline import Payload, Pipeline, RoundContext
+from federation.protection import SiteProtection
 from federation.wire import from_records, to_records
 from site_trainer import endpoint, handoff
 
@@ -32,6 +34,12 @@ def _site(context: Context) -> tuple[str, str]:
             f"SuperNode started without node config {err}; start it with "
             "--node-config 'site-id=\"NAME\" trainer-socket=\"/path/to/trainer.sock\"'"
         ) from None
+
+
+def _bundle(context: Context) -> SiteBundle | None:
+    """The site's provisioned keys, when its SuperNode was started with `bundle-dir`."""
+    path = str(context.node_config.get("bundle-dir", ""))
+    return SiteBundle.load(path) if path else None
 
 
 def _status(site: str, ok: bool, error: str = "", **extra) -> ConfigRecord:
@@ -53,8 +61,10 @@ def _take_state(reply: dict) -> dict[str, np.ndarray]:
 
 
 def encode_update(arrays: dict[str, np.ndarray], state: dict[str, np.ndarray], cfg: ConfigRecord,
-                  ctx: RoundContext) -> tuple[Payload, dict[str, np.ndarray] | None, dict[str, float]]:
-    """Run the site's pipeline (codec, then protection) on an update.
+                  ctx: RoundContext, bundle: SiteBundle | None = None
+                  ) -> tuple[Payload, dict[str, np.ndarray] | None, dict[str, float]]:
+    """Run the site's pipeline (codec, then protection: sign, and seal if the round asks) on an
+    update. Without a `bundle` the update leaves unsigned (a coordinator with a PKI rejects it).
 
     Returns the wire payload, the codec state to keep for the next round (None: unchanged) and
     metrics for the round's line.
@@ -64,6 +74,8 @@ def encode_update(arrays: dict[str, np.ndarray], state: dict[str, np.ndarray], c
     if spec != "identity":
         codec = CodecStage.from_spec(spec, bool(cfg.get("error_feedback", True)), state=state)
         stages.append(codec)
+    if bundle is not None:
+        stages.append(SiteProtection(bundle, seal=bool(cfg.get("seal", False))))
     try:
         payload = Pipeline(tuple(stages)).encode(Payload(arrays), ctx)
     except CodecStateError:  # the model changed shape since the residual was kept: start afresh
@@ -120,7 +132,8 @@ def _relay(msg: Message, context: Context, method: str) -> Message:
         ctx = RoundContext(str(cfg.get("federation", "")), int(msg.metadata.run_id), int(cfg.get("round", 0)), site,
                            int(cfg.get("seed", 0)))
         state = _take_state(reply)
-        payload, new_state, pipe_metrics = encode_update(arrays, state, cfg, ctx)
+        secagg = "secagg" in msg.content.config_records  # masked, not enveloped: the sum is what opens
+        payload, new_state, pipe_metrics = encode_update(arrays, state, cfg, ctx, None if secagg else _bundle(context))
         pipe_metrics["state_arrays_in"] = float(len(state))
         if new_state is not None:
             h = handoff.write_arrays(new_state, tag=f"{site}-state")
@@ -130,7 +143,7 @@ def _relay(msg: Message, context: Context, method: str) -> Message:
                 return _fail(msg, site, f"could not keep the codec state for the next round: {err}")
             finally:
                 handoff.release(h.path)
-        if "secagg" in msg.content.config_records:  # stage 3: the update leaves masked
+        if secagg:  # stage 3: the update leaves masked
             from federation import secagg_site
 
             out = secagg_site.on_train(msg, context, site, payload, int(reply["num_examples"]))

@@ -24,6 +24,8 @@ class Deadlines(StrictModel):
     round_s: float = Field(300.0, gt=0, description="one round's train stage, all sites")
     evaluate_s: float = Field(120.0, gt=0, description="one round's evaluate stage")
     trainer_start_s: float = Field(300.0, gt=0, description="a site trainer service to come up")
+    secagg_stage_s: float = Field(30.0, gt=0, description="each key-exchange and unmask stage of a "
+                                  "secure-aggregation round (the masked-input stage uses round_s)")
 
 
 class FederationConfig(StrictModel):
@@ -45,10 +47,11 @@ class FederationConfig(StrictModel):
     codec: str = Field("identity", description="update codec spec, e.g. 'topk:0.01+int8' (see federation/codecs)")
     error_feedback: bool = Field(True, description="keep what a lossy codec did not send, per site, for the next round")
     secagg: SecAggConfig = SecAggConfig(enabled=False)
+    seal: bool = Field(False, description="seal every update to the coordinator's (attested) key")
 
     @property
     def protection(self) -> str:
-        return "secagg" if self.secagg.enabled else "none"
+        return "secagg" if self.secagg.enabled else ("sealed" if self.seal else "none")
 
     @model_validator(mode="after")
     def _codec_fits_protection(self) -> "FederationConfig":

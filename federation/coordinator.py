@@ -19,12 +19,15 @@ import numpy as np
 from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
+from crypto.envelope import ReplayGuard
+from crypto.pki import CoordinatorBundle
 from federation.aggregate import ServerOptimizer
 from federation.checkpoint import save_checkpoint
 from federation.codec_stage import CodecStage, round_seed
 from federation.codecs import UpdateSpec
 from federation.config import ExperimentConfig
 from federation.pipeline import Payload, Pipeline
+from federation.protection import CoordinatorProtection
 from federation.rounds import PlainRound, RoundProtocol
 from federation.wire import to_records
 
@@ -57,13 +60,16 @@ def record_bytes(rd: RecordDict) -> int:
 
 class Coordinator:
     def __init__(self, grid: Grid, cfg: ExperimentConfig, workdir: Path, run_id: int,
-                 initial: dict[str, np.ndarray], progress: Callable[[str], None] | None = None):
+                 initial: dict[str, np.ndarray], progress: Callable[[str], None] | None = None,
+                 bundle: CoordinatorBundle | None = None):
         self.grid, self.cfg, self.workdir, self.run_id = grid, cfg, Path(workdir), run_id
         self.fed = cfg.federation
         self.model = initial
         self.spec = {k: (v.dtype.str, tuple(v.shape)) for k, v in initial.items()}
         self.opt = ServerOptimizer(self.fed.strategy, self.fed.update_kind, self.fed.effective_server_lr,
                                    self.fed.server_beta1, self.fed.server_beta2, self.fed.server_tau)
+        self.bundle = bundle
+        self.replay = ReplayGuard()  # one per run: a (run, round, site) envelope opens once
         self.protocol: RoundProtocol = PlainRound()
         if self.fed.secagg.enabled:
             from federation.secagg_round import SecAggRound
@@ -164,6 +170,7 @@ class Coordinator:
         return ConfigRecord({
             "round": rnd, "federation": self.fed.name, "update_kind": self.fed.update_kind,
             "seed": self.round_seed(rnd), "codec": self.fed.codec, "error_feedback": self.fed.error_feedback,
+            "seal": self.fed.seal,
             # the relay must answer before our deadline, ClientApp start-up (a few seconds) included
             "deadline_s": max(1.0, deadline_s * 0.8 - 2.0),
         })
@@ -176,9 +183,11 @@ class Coordinator:
 
     def update_pipeline(self) -> Pipeline:
         """The coordinator's side of the update pipeline, fresh per round (stages keep timings)."""
-        stages = []
+        stages: list = []
         if self.fed.codec != "identity":
             stages.append(CodecStage.from_spec(self.fed.codec, self.fed.error_feedback, layout=UpdateSpec.of(self.model)))
+        if self.bundle is not None:
+            stages.append(CoordinatorProtection(self.bundle, require_sealed=self.fed.seal, replay=self.replay))
         return Pipeline(tuple(stages))
 
     def round_seed(self, rnd: int) -> int:

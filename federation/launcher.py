@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from crypto.pki import provision
 from federation.config import ExperimentConfig, load_config
 from site_trainer import endpoint
 from site_trainer.config import SiteConfig, TrainerConfig
@@ -76,6 +77,9 @@ class Supervisor:
 
     def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         env = dict(os.environ)
+        # Flower's processes start helpers (flower-superexec, flwr-clientapp) by name: our
+        # environment's bin directory must come first on PATH even when it is not activated.
+        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
         env.update({OWNER: self.owner, "FLWR_TELEMETRY_ENABLED": "0", "PYTHONUNBUFFERED": "1",
                     "FLWR_HOME": str(self.workdir / "flwr-home")})
         env.update(extra or {})
@@ -134,11 +138,29 @@ def marked_pids(marker: str, var: str = MARKER) -> list[int]:
 
 # ---- the pieces ----------------------------------------------------------------------------
 
-def start_superlink(sup: Supervisor, port: int, host: str = "127.0.0.1") -> Proc:
+INSECURE_WARNING = ("WARNING: TLS and SuperNode authentication are OFF (--insecure): updates, models and "
+                    "node identities cross the network unprotected by TLS. Use this only for local debugging.")
+
+
+def start_superlink(sup: Supervisor, port: int, host: str = "127.0.0.1", bundle: Path | None = None) -> Proc:
+    """TLS with the coordinator's provisioned certificate and SuperNode authentication, unless
+    `bundle` is None (plain text, which the caller must have asked for explicitly)."""
+    security = ["--insecure"] if bundle is None else [
+        "--ssl-certfile", str(bundle / "server.crt"), "--ssl-keyfile", str(bundle / "server.key"),
+        "--ssl-ca-certfile", str(bundle / "ca.crt"), "--enable-supernode-auth"]
     return sup.start("superlink", [
-        _bin("flower-superlink"), "--insecure", "--disable-runtime-dependency-installation",
+        _bin("flower-superlink"), *security, "--disable-runtime-dependency-installation",
         "--host", host, "--port", str(port), "--database", str(sup.workdir / "superlink.db"),
     ])
+
+
+def register_supernodes(sup: Supervisor, public_keys: dict[str, Path], timeout_s: float = 60) -> None:
+    """Admit each site's provisioned SuperNode key at the SuperLink (`flwr supernode register`)."""
+    for site, key in public_keys.items():
+        proc = subprocess.run([_bin("flwr"), "supernode", "register", str(key), "sovfl", "--name", site],
+                              capture_output=True, text=True, env=sup.env(), timeout=timeout_s)
+        if proc.returncode != 0:
+            raise LaunchError(f"could not register site {site}'s SuperNode key {key}: {proc.stdout}{proc.stderr}")
 
 
 def wait_port(proc: Proc, port: int, deadline_s: float = 60.0) -> None:
@@ -166,12 +188,22 @@ def start_trainer(sup: Supervisor, site: SiteConfig, cfg: ExperimentConfig, sock
 
 
 def start_supernode(sup: Supervisor, site: SiteConfig, superlink: str, socket_path: str,
+                    bundle: Path | None = None, insecure: bool = False,
                     extra_node_config: dict[str, str] | None = None) -> Proc:
-    """`extra_node_config` adds `key="value"` pairs (site-local settings the ClientApp reads)."""
-    node_config = " ".join(f'{k}="{v}"' for k, v in
-                           {"site-id": site.id, "trainer-socket": socket_path, **(extra_node_config or {})}.items())
+    """With `bundle` (the site's provisioned directory) the ClientApp signs (and seals) updates
+    with its keys and, unless `insecure`, the SuperNode uses TLS verified against the federation
+    CA and authenticates with its provisioned key.
+    `extra_node_config` adds `key="value"` pairs (site-local settings the ClientApp reads)."""
+    cfg = {"site-id": site.id, "trainer-socket": socket_path}
+    if bundle is not None:
+        cfg["bundle-dir"] = str(bundle)
+    node_config = " ".join(f'{k}="{v}"' for k, v in {**cfg, **(extra_node_config or {})}.items())
+    if not insecure and bundle is None:
+        raise LaunchError(f"site {site.id}: TLS needs the site's provisioned bundle (or an explicit --insecure)")
+    security = ["--insecure"] if insecure else [
+        "--root-certificates", str(bundle / "ca.crt"), "--auth-supernode-private-key", str(bundle / "supernode_auth.key")]
     return sup.start(f"site-{site.id}-supernode", [
-        _bin("flower-supernode"), "--insecure", "--superlink", superlink, "--port", str(free_port()),
+        _bin("flower-supernode"), *security, "--superlink", superlink, "--port", str(free_port()),
         "--node-config", node_config, "--max-wait-time", "600",
     ])
 
@@ -201,17 +233,20 @@ def sup_logs(procs: dict[str, Proc]) -> str:
     return ", ".join(str(p.log) for p in procs.values())
 
 
-def write_flwr_connection(sup: Supervisor, address: str) -> None:
+def write_flwr_connection(sup: Supervisor, address: str, ca: Path | None) -> None:
     home = sup.workdir / "flwr-home"
     home.mkdir(parents=True, exist_ok=True)
+    security = "insecure = true" if ca is None else f'root-certificates = "{ca}"'
     (home / "config.toml").write_text(
-        f'[superlink]\ndefault = "sovfl"\n\n[superlink.sovfl]\naddress = "{address}"\ninsecure = true\n'
+        f'[superlink]\ndefault = "sovfl"\n\n[superlink.sovfl]\naddress = "{address}"\n{security}\n'
     )
 
 
-def submit_run(sup: Supervisor, config_path: Path, address: str) -> Proc:
-    write_flwr_connection(sup, address)
+def submit_run(sup: Supervisor, config_path: Path, address: str, bundle: Path | None = None) -> Proc:
+    """`flwr run` of our app; the coordinator's bundle (keys that open site envelopes) goes along."""
     run_config = f'config-path="{config_path.resolve()}" workdir="{sup.workdir.resolve()}"'
+    if bundle is not None:
+        run_config += f' bundle-dir="{bundle}"'
     return sup.start("flwr-run", [_bin("flwr"), "run", str(APP_DIR), "sovfl", "--run-config", run_config, "--stream"])
 
 
@@ -263,7 +298,7 @@ def result_line(result: dict) -> str:
 
 
 def simulate(config_path: str | Path, workdir: str | Path | None = None,
-             progress: Callable[[str], None] = print) -> dict:
+             progress: Callable[[str], None] = print, insecure: bool = False) -> dict:
     """Run a whole federation on loopback with real processes; returns the run's result."""
     config_path = Path(config_path)
     cfg = load_config(config_path)
@@ -273,15 +308,26 @@ def simulate(config_path: str | Path, workdir: str | Path | None = None,
     sup = Supervisor(workdir)
     progress(f"sovfl simulate: {len(cfg.sites)} site(s) x ranks {[s.ranks for s in cfg.sites]}, "
              f"{cfg.federation.rounds} round(s); logs in {workdir / 'logs'}")
+    pki = workdir / "pki"
+    if insecure:
+        progress(INSECURE_WARNING)
+    report = provision(pki, [s.id for s in cfg.sites], hosts=("127.0.0.1", "localhost"))
+    if report.created:
+        progress(f"provisioned a federation CA and bundles for {', '.join(report.created)} in {pki}")
+    coord = pki / "coordinator"
     try:
         port = free_port()
-        superlink = start_superlink(sup, port)
+        superlink = start_superlink(sup, port, bundle=None if insecure else coord)
         sockets = {s.id: str(sockdir / f"{s.id}.sock") for s in cfg.sites}
         trainers = {s.id: start_trainer(sup, s, cfg, sockets[s.id]) for s in cfg.sites}
         wait_trainers(trainers, sockets, cfg.federation.deadlines.trainer_start_s, progress)
         wait_port(superlink, port)
-        supernodes = {s.id: start_supernode(sup, s, f"127.0.0.1:{port}", sockets[s.id]) for s in cfg.sites}
-        run = submit_run(sup, config_path, f"127.0.0.1:{port}")
+        write_flwr_connection(sup, f"127.0.0.1:{port}", None if insecure else coord / "ca.crt")
+        if not insecure:
+            register_supernodes(sup, {s.id: pki / "sites" / s.id / "supernode_auth.pub" for s in cfg.sites})
+        supernodes = {s.id: start_supernode(sup, s, f"127.0.0.1:{port}", sockets[s.id], pki / "sites" / s.id,
+                                            insecure) for s in cfg.sites}
+        run = submit_run(sup, config_path, f"127.0.0.1:{port}", coord)
         watched = {**trainers, **{f"{k} (supernode)": v for k, v in supernodes.items()}}
         result = watch_run(sup, [superlink, run], watched, run_deadline(cfg), progress)
     finally:

@@ -10,6 +10,7 @@ from pathlib import Path
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
+from crypto.pki import CoordinatorBundle
 from federation.config import ConfigError, load_config
 from federation.coordinator import Coordinator, FederationFailed
 
@@ -40,7 +41,17 @@ def main(grid: Grid, context: Context) -> None:
         initial = initial_weights(cfg.workload, cfg.federation.seed)
         progress(f"federation '{cfg.federation.name}': {cfg.federation.rounds} round(s), {len(cfg.sites)} site(s), "
                  f"strategy {cfg.federation.strategy}, model {sum(v.size for v in initial.values()):,} parameters")
-        result = Coordinator(grid, cfg, workdir, context.run_id, initial, progress).run()
+        bundle_dir = str(context.run_config.get("bundle-dir") or "")
+        bundle = CoordinatorBundle.load(bundle_dir) if bundle_dir else None
+        if bundle is None:
+            if cfg.federation.seal:
+                raise ConfigError("federation.seal is on but the coordinator has no provisioned bundle (bundle-dir)")
+            progress("WARNING: no coordinator bundle: site updates are accepted UNSIGNED; provision one with "
+                     "`sovfl provision` and pass it with --bundle")
+        else:
+            progress(f"coordinator identity '{bundle.name}' in federation {bundle.federation_id}: "
+                     f"signed updates required{', sealed to our key' if cfg.federation.seal else ''}")
+        result = Coordinator(grid, cfg, workdir, context.run_id, initial, progress, bundle).run()
     except (ConfigError, FederationFailed) as err:
         progress(f"FAILED: {err}")
         result = {"status": "failed", "error": str(err)}

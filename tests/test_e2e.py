@@ -177,18 +177,27 @@ def test_coordinator_and_sites_as_separate_commands(tmp_path, marker):
 
     port = free_port()
     env = {**os.environ, "SOVFL_RUN_MARKER": marker}
+    pki = tmp_path / "pki"
+    prov = subprocess.run([sys.executable, "-m", "federation.cli", "provision", str(pki), "--site", "paris",
+                           "--site", "frankfurt"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=60)
+    assert prov.returncode == 0, prov.stderr
+    # without a bundle (and without --insecure) the coordinator refuses to start
+    refused = subprocess.run([sys.executable, "-m", "federation.cli", "coordinator", str(path)],
+                             capture_output=True, text=True, cwd=ROOT, env=env, timeout=60)
+    assert refused.returncode == 2 and "--bundle" in refused.stderr
     coord = subprocess.Popen([sys.executable, "-m", "federation.cli", "coordinator", str(path), "--host", "127.0.0.1",
-                              "--port", str(port), "--workdir", str(tmp_path / "coord")],
+                              "--port", str(port), "--workdir", str(tmp_path / "coord"),
+                              "--bundle", str(pki / "coordinator")],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
     sites = [subprocess.Popen([sys.executable, "-m", "federation.cli", "site", str(path), "--site", name,
                                "--superlink", f"127.0.0.1:{port}", "--workdir", str(tmp_path / name),
-                               "--socket", str(tmp_path / f"{name}.sock")],
+                               "--socket", str(tmp_path / f"{name}.sock"), "--bundle", str(pki / "sites" / name)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
              for name in ("paris", "frankfurt")]
     try:
         out, _ = coord.communicate(timeout=300)
         assert coord.returncode == 0, out
-        assert "RESULT rounds=1" in out
+        assert "RESULT rounds=1" in out and "signed updates required" in out
         for s in sites:
             assert s.poll() is None  # sites keep serving until stopped
             s.send_signal(signal.SIGINT)
