@@ -39,10 +39,10 @@ class WorkloadConfig(StrictModel):
 
 
 class SiteConfig(StrictModel):
-    """One sovereign site: a local trainer pool of `ranks` processes joined as one client."""
+    """One sovereign site: a local trainer pool of `ranks` processes per node joined as one client."""
 
     id: str = Field(pattern=r"^[A-Za-z0-9_-]+$")
-    ranks: int = Field(1, ge=1, le=64)
+    ranks: int = Field(1, ge=1, le=64, description="trainer processes per node (one per GPU)")
     backend: Literal["gloo", "nccl"] = "gloo"
     partition: int = Field(ge=0, description="index of this site's data partition")
     local_steps: int = Field(10, ge=1)
@@ -51,6 +51,30 @@ class SiteConfig(StrictModel):
     grad_accum: int = Field(1, ge=1)
     optimizer: Literal["sgd", "adamw"] = "sgd"
     dump_updates: bool = Field(False, description="keep each returned update on disk (tests, audits)")
+    # How the site's ranks share the work (see site_trainer/README.md).
+    strategy: Literal["ddp", "zero2", "zero3"] = Field(
+        "ddp", description="ddp: replicate everything; zero2: shard gradients and optimizer state (FSDP2, "
+                           "parameters kept after forward); zero3: shard parameters too")
+    mixed_precision: Literal["fp32", "bf16"] = Field(
+        "fp32", description="bf16: bf16 compute and gradient reduction, fp32 master weights and optimizer state")
+    activation_checkpointing: bool = Field(False, description="recompute each transformer block in backward")
+    checkpoint_every: int = Field(0, ge=0, description="sharded local checkpoint every N trained rounds; 0 = off")
+    checkpoint_keep: int = Field(2, ge=1, description="local checkpoints kept on disk")
+    # Multi-node sites: one torchrun per node, joined by torchrun's c10d rendezvous.
+    nnodes: int = Field(1, ge=1, le=64, description="nodes of this site; each runs `ranks` processes")
+    rdzv_endpoint: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9_.\[\]:-]+:[0-9]{1,5}$",
+        description="host:port of the rendezvous store on node 0; required when nnodes > 1")
+
+    @model_validator(mode="after")
+    def _multi_node_needs_rendezvous(self) -> "SiteConfig":
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError(f"nnodes is {self.nnodes}: set rdzv_endpoint to node 0's host:port for the rendezvous")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.ranks * self.nnodes
 
 
 class TrainerConfig(StrictModel):

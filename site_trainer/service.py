@@ -1,16 +1,22 @@
 """The site trainer service: K ranks in one process group, alive for the whole federation run.
 
-Model, optimizer, data and process group are created once. Rank 0 serves the local endpoint; each
-round request is validated on rank 0, then broadcast as a small command to every rank, which
-load the global model (one flat broadcast), train with DDP and return to the command loop. While
-idle, rank 0 sends heartbeats so that no collective waits on its own timeout.
+Model, optimizer, data and process group are created once (`local_trainer.LocalTrainer`). Rank 0
+serves the local endpoint; each round request is validated on rank 0, then broadcast as a small
+command to every rank, which load the global model (a broadcast, or shard by shard under ZeRO),
+train with the site's strategy, stream the full weights to rank 0's hand-off file and return to
+the command loop. While idle, rank 0 sends heartbeats so that no collective waits on its own
+timeout; a due local checkpoint rides on the next command or heartbeat.
+
+Multi-node sites: torchrun's c10d rendezvous orders nodes by host name and process id and ignores
+`--node-rank`, so the trainer numbers the global ranks itself (node_rank x ranks + local rank):
+global rank 0, the one serving the endpoint, is always on node 0, and a restarted rank keeps its
+data shard and its checkpointed sampling stream.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -26,15 +32,16 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.nn.utils import parameters_to_vector
 
-from site_trainer import endpoint, handoff, workloads
+from site_trainer import endpoint, handoff
 from site_trainer.config import TrainerConfig
+from site_trainer.local_trainer import LocalTrainer
+from site_trainer.strategies import StrategyUnavailable
 
 log = logging.getLogger("sovfl.trainer")
 
 HEARTBEAT_S = 5.0
+STATE_WAIT_S = 30.0  # how long a due checkpoint waits for the round's PutState (codec residuals)
 PG_TIMEOUT = timedelta(minutes=10)
 
 
@@ -45,25 +52,11 @@ class RequestRejected(ValueError):
 class TrainerService:
     def __init__(self, cfg: TrainerConfig):
         self.cfg = cfg
-        self.rank = dist.get_rank()
-        self.world = dist.get_world_size()
-        torch.manual_seed(cfg.seed)
-        self.workload = workloads.build(cfg.workload, cfg.site.partition, cfg.num_partitions, cfg.seed)
-        self.module = self.workload.model
-        self.model = DDP(self.module)
-        self.names = list(self.module.state_dict().keys())
-        self.tensors = list(self.module.state_dict().values())
-        self.spec = {n: ("<f4", tuple(t.shape)) for n, t in zip(self.names, self.tensors)}
-        s = cfg.site
-        params = self.model.parameters()
-        self.optimizer = (torch.optim.SGD(params, lr=s.lr) if s.optimizer == "sgd"
-                          else torch.optim.AdamW(params, lr=s.lr, weight_decay=0.0))
-        data = self.workload.data
-        self.train_idx = torch.arange(len(data.train_y))[self.rank :: self.world]
-        self.val_idx = torch.arange(len(data.val_y))[self.rank :: self.world]
-        if len(self.train_idx) == 0:
-            raise RuntimeError(f"site {s.id}: rank {self.rank} has no training data; use fewer ranks")
-        self.gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + s.partition * 1009 + self.rank)
+        self.trainer = LocalTrainer(cfg)
+        self.rank = self.trainer.rank
+        self.world = self.trainer.world
+        self.names = self.trainer.names
+        self.spec = self.trainer.spec
         self.commands: queue.Queue = queue.Queue()
         # Site-private state the relay keeps here between rounds (codec error-feedback residuals):
         # named float arrays on rank 0, handed out with Train replies and replaced by PutState.
@@ -72,6 +65,14 @@ class TrainerService:
         self.last_reply: str | None = None
         self.last_state: str | None = None
         self.round_times: list[float] = []
+        # Rank 0's plan for the next local checkpoint: the round it covers, whether a PutState
+        # (the residuals of that round) is still expected, and how long to wait for it.
+        self.ckpt_due: int | None = None
+        self.ckpt_awaits_state = False
+        self.ckpt_deadline = 0.0
+        resumed = self.trainer.resume() if cfg.site.checkpoint_every else None
+        if resumed is not None and self.rank == 0:
+            self.site_state = resumed[1]
 
     # ---- rank 0: endpoint side ------------------------------------------------------------
     def info(self) -> dict:
@@ -79,8 +80,8 @@ class TrainerService:
             "ok": True,
             "site": self.cfg.site.id,
             "ranks": self.world,
-            "num_examples": int(len(self.workload.data.train_y)),
-            "num_val_examples": int(len(self.workload.data.val_y)),
+            "num_examples": int(len(self.trainer.data.train_y)),
+            "num_val_examples": int(len(self.trainer.data.val_y)),
             "spec": {n: [d, list(shape)] for n, (d, shape) in self.spec.items()},
         }
 
@@ -105,6 +106,9 @@ class TrainerService:
             return {"ok": False, "error": f"site {self.cfg.site.id}: cannot read the state hand-off: {err}"}
         with self.state_lock:
             self.site_state = {k: np.array(v) for k, v in arrays.items()}
+            if self.ckpt_awaits_state:
+                self.ckpt_awaits_state = False
+                self.commands.put(("Nudge", {}, None))  # checkpoint now that the residuals are here
         return {"ok": True, "arrays": len(self.site_state)}
 
     def _validated_global(self, request: dict) -> dict[str, np.ndarray]:
@@ -125,98 +129,49 @@ class TrainerService:
         return arrays
 
     # ---- all ranks ------------------------------------------------------------------------
-    def _load_global(self, arrays: dict[str, np.ndarray] | None) -> None:
-        """Rank 0 copies the mapped arrays in; one flat broadcast gives every rank the same weights."""
-        with torch.no_grad():
-            if self.rank == 0:
-                for t, name in zip(self.tensors, self.names):
-                    t.copy_(torch.from_numpy(arrays[name]))
-            if self.world > 1:
-                flat = parameters_to_vector(self.tensors)
-                dist.broadcast(flat, src=0)
-                offset = 0
-                for t in self.tensors:  # copy in place: the tensors share storage with the model
-                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                    offset += t.numel()
+    def _pack_update(self, arrays: dict[str, np.ndarray] | None, kind: str, round_no: int
+                     ) -> tuple[handoff.Handle | None, list[str]]:
+        """Collective: stream the full weights into rank 0's hand-off file (weights or delta), one
+        tensor at a time; every rank returns the digests of every rank."""
+        handle = views = None
+        if self.rank == 0:
+            handle, views = handoff.allocate(self.spec, tag=f"{self.cfg.site.id}-update")
 
-    def _batch(self, idx: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        pick = idx[torch.randint(len(idx), (size,), generator=self.gen)]
-        d = self.workload.data
-        return d.train_x[pick], d.train_y[pick]
+        def put(name: str, t: torch.Tensor) -> None:
+            out = torch.from_numpy(views[name])
+            if kind == "delta":
+                torch.sub(t, torch.from_numpy(arrays[name]), out=out)
+            else:
+                out.copy_(t)
 
-    def train(self, steps: int) -> dict:
-        s = self.cfg.site
-        self.model.train()
-        total, t0 = torch.zeros(2, dtype=torch.float64), time.perf_counter()
-        for _ in range(steps):
-            for micro in range(s.grad_accum):
-                x, y = self._batch(self.train_idx, s.batch_size)
-                sync = micro == s.grad_accum - 1
-                with contextlib.nullcontext() if sync else self.model.no_sync():
-                    loss, _ = self.workload.loss(self.model, x, y)
-                    (loss / s.grad_accum).backward()
-                total += torch.tensor([loss.item() * len(y), len(y)], dtype=torch.float64)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        seconds = time.perf_counter() - t0
-        if self.world > 1:
-            dist.all_reduce(total)
-        return {"loss": float(total[0] / total[1]), "steps": steps, "samples_seen": int(total[1]), "train_s": seconds}
-
-    @torch.no_grad()
-    def evaluate(self) -> dict:
-        self.model.eval()
-        d = self.workload.data
-        acc = torch.zeros(3, dtype=torch.float64)
-        for chunk in self.val_idx.split(256):
-            loss, correct = self.workload.loss(self.module, d.val_x[chunk], d.val_y[chunk])
-            acc += torch.tensor([loss.item() * len(chunk), len(chunk), max(correct, 0)], dtype=torch.float64)
-        if self.world > 1:
-            dist.all_reduce(acc)
-        out = {"eval_loss": float(acc[0] / max(acc[1], 1)), "num_val_examples": int(acc[1])}
-        if self.workload.data.val_y.dtype == torch.long and self.workload.data.val_y.dim() == 1:
-            out["eval_accuracy"] = float(acc[2] / max(acc[1], 1))
-        return out
-
-    def rank_digests(self) -> list[str]:
-        """A digest of every rank's weights: equal digests prove the ranks stayed in lock-step."""
-        mine = hashlib.sha256(parameters_to_vector(self.tensors).detach().numpy().tobytes()).hexdigest()[:16]
-        if self.world == 1:
-            return [mine]
-        out: list = [None] * self.world
-        dist.all_gather_object(out, mine)
-        return out
-
-    def _pack_update(self, arrays: dict[str, np.ndarray], kind: str, round_no: int) -> handoff.Handle:
-        handle, views = handoff.allocate(self.spec, tag=f"{self.cfg.site.id}-update")
-        with torch.no_grad():
-            for t, name in zip(self.tensors, self.names):
-                out = torch.from_numpy(views[name])
-                if kind == "delta":
-                    torch.sub(t, torch.from_numpy(arrays[name]), out=out)
-                else:
-                    out.copy_(t)
-        if self.cfg.site.dump_updates:
+        digests = self.trainer.gather(put if self.rank == 0 else None)
+        if self.rank == 0 and self.cfg.site.dump_updates:
             dump = Path(self.cfg.workdir) / "updates"
             dump.mkdir(parents=True, exist_ok=True)
             np.savez(dump / f"round_{round_no:04d}.npz", **views)
-        return handle
+        return handle, digests
 
     def run_command(self, method: str, request: dict, arrays: dict[str, np.ndarray] | None) -> dict:
         """Executed by every rank in lock-step; rank 0 (which holds `arrays`) builds the answer."""
         t0 = time.perf_counter()
-        self._load_global(arrays)
+        self.trainer.load_global(arrays)
         load_s = time.perf_counter() - t0
         if method == "Evaluate":
-            return {"ok": True, "metrics": {**self.evaluate(), "load_s": load_s}, "num_examples": int(len(self.workload.data.val_y))}
+            return {"ok": True, "metrics": {**self.trainer.evaluate(), "load_s": load_s},
+                    "num_examples": int(len(self.trainer.data.val_y))}
         rc = request.get("config", {})
         steps = int(rc.get("local_steps", self.cfg.site.local_steps))
-        metrics = self.train(steps)
-        digests = self.rank_digests()
+        round_no = int(request.get("round", 0))
+        metrics = self.trainer.train(steps)
+        t1 = time.perf_counter()
+        handle, digests = self._pack_update(arrays, str(rc.get("update_kind", "delta")), round_no)
+        every = self.cfg.site.checkpoint_every
         if self.rank != 0:
             return {}
-        t1 = time.perf_counter()
-        handle = self._pack_update(arrays, str(rc.get("update_kind", "delta")), int(request.get("round", 0)))
+        if every and self.trainer.rounds_trained % every == 0:
+            self.ckpt_due = round_no
+            self.ckpt_awaits_state = bool(request.get("with_state"))
+            self.ckpt_deadline = time.monotonic() + STATE_WAIT_S
         self.last_reply = handle.path
         metrics.update(load_s=load_s, pack_s=time.perf_counter() - t1)
         state = None
@@ -228,7 +183,7 @@ class TrainerService:
             "state": state,
             "ok": True,
             "update": handle.to_json(),
-            "num_examples": int(len(self.workload.data.train_y)),
+            "num_examples": int(len(self.trainer.data.train_y)),
             "metrics": metrics,
             "rank_digests": digests,
         }
@@ -240,10 +195,13 @@ class TrainerService:
             log.info("site %s: trainer ready with %d rank(s) on %s", self.cfg.site.id, self.world, self.cfg.socket)
         try:
             while True:
-                cmd = self._next_command()
-                if cmd is None:
+                method, request, fut, arrays, ckpt_round = self._next_command()
+                if ckpt_round is not None:
+                    with self.state_lock:
+                        site_state = dict(self.site_state)
+                    self.trainer.save_checkpoint(ckpt_round, site_state)
+                if method == "Heartbeat":
                     continue
-                method, request, fut, arrays = cmd
                 reply = self.run_command(method, request, arrays)
                 if fut is not None and not fut.set_running_or_notify_cancel():
                     handoff.release((reply.get("update") or {}).get("path"))  # nobody waits any more
@@ -260,12 +218,22 @@ class TrainerService:
                         os.unlink(p)
 
     def _next_command(self):
-        """Rank 0 takes the next request (or a heartbeat) and tells every rank what to run."""
+        """Rank 0 takes the next request (or a heartbeat) and tells every rank what to run, and
+        whether to write the local checkpoint that is due first."""
         if self.rank == 0:
+            wait = HEARTBEAT_S
+            if self.ckpt_due is not None:
+                wait = min(wait, max(0.0, self.ckpt_deadline - time.monotonic())) if self.ckpt_awaits_state else 0.0
             try:
-                method, request, fut = self.commands.get(timeout=HEARTBEAT_S)
+                method, request, fut = self.commands.get(timeout=wait)
             except queue.Empty:
                 method, request, fut = "Heartbeat", {}, None
+            if method == "Nudge":
+                method = "Heartbeat"
+            ckpt = None
+            if self.ckpt_due is not None and (method != "Heartbeat" or not self.ckpt_awaits_state
+                                              or time.monotonic() >= self.ckpt_deadline):
+                ckpt, self.ckpt_due, self.ckpt_awaits_state = self.ckpt_due, None, False
             arrays = None
             if method != "Heartbeat":
                 handoff.release(self.last_reply)  # the previous reply has been read by now
@@ -279,31 +247,50 @@ class TrainerService:
                     if not fut.cancelled():
                         fut.set_result({"ok": False, "error": f"site {self.cfg.site.id}: {err}"})
                     method, request, fut = "Heartbeat", {}, None
-            header = [method, {k: v for k, v in request.items() if k != "global"} if method != "Heartbeat" else {}]
+            header = [method, {k: v for k, v in request.items() if k != "global"} if method != "Heartbeat" else {}, ckpt]
         else:
-            header = [None, None]
+            header = [None, None, None]
         if self.world > 1:
             dist.broadcast_object_list(header, src=0)
-        if header[0] == "Heartbeat":
-            return None
         if self.rank == 0:
-            return method, request, fut, arrays
-        return header[0], header[1], None, None
+            return method, request, fut, arrays, header[2]
+        return header[0], header[1], None, None, header[2]
 
 
-def run(cfg: TrainerConfig) -> None:
+def init_process_group(cfg: TrainerConfig, node_rank: int) -> None:
+    """Join the site's process group from torchrun's environment, ranks numbered by node."""
+    site = cfg.site
+    if site.backend == "nccl" and not torch.cuda.is_available():
+        raise SystemExit(f"site {site.id}: backend 'nccl' needs CUDA GPUs; use backend 'gloo' on CPU")
+    if site.nnodes == 1:
+        dist.init_process_group(site.backend, timeout=PG_TIMEOUT)
+        return
+    if not 0 <= node_rank < site.nnodes:
+        raise SystemExit(f"site {site.id}: --node-rank {node_rank} is outside 0..{site.nnodes - 1}")
+    world = int(os.environ["WORLD_SIZE"])
+    if world != site.world_size or int(os.environ["LOCAL_WORLD_SIZE"]) != site.ranks:
+        raise SystemExit(f"site {site.id}: torchrun formed {world} rank(s) with {os.environ['LOCAL_WORLD_SIZE']} "
+                         f"per node, the config says {site.nnodes} node(s) x {site.ranks}")
+    rank = node_rank * site.ranks + int(os.environ["LOCAL_RANK"])
+    dist.init_process_group(site.backend, rank=rank, world_size=world, timeout=PG_TIMEOUT)
+
+
+def run(cfg: TrainerConfig, node_rank: int = 0) -> None:
     """Join (or form) the process group from torchrun's environment and serve until told to stop."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not dist.is_initialized():
-        if cfg.site.backend == "nccl" and not torch.cuda.is_available():
-            raise SystemExit(f"site {cfg.site.id}: backend 'nccl' needs CUDA GPUs; use backend 'gloo' on CPU")
-        dist.init_process_group(cfg.site.backend, timeout=PG_TIMEOUT)
+        init_process_group(cfg, node_rank)
+
     def on_term(signum, frame):  # noqa: ARG001
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, on_term)
     try:
-        TrainerService(cfg).serve_forever()
+        try:
+            service = TrainerService(cfg)
+        except StrategyUnavailable as err:
+            raise SystemExit(f"site {cfg.site.id}: {err}") from None
+        service.serve_forever()
     finally:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
@@ -312,10 +299,11 @@ def run(cfg: TrainerConfig) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m site_trainer", description=__doc__)
     parser.add_argument("--config", required=True, help="TrainerConfig JSON written by `sovfl site`/`sovfl simulate`")
+    parser.add_argument("--node-rank", type=int, default=0, help="this node's index in a multi-node site (0 serves)")
     args = parser.parse_args(argv)
     cfg = TrainerConfig.model_validate_json(Path(args.config).read_text())
     torch.set_num_threads(int(os.environ.get("SOVFL_TORCH_THREADS", "1")))
-    run(cfg)
+    run(cfg, args.node_rank)
 
 
 if __name__ == "__main__":

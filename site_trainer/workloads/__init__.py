@@ -33,19 +33,34 @@ class Workload:
     loss: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, int]]
 
 
-def make_model(cfg: WorkloadConfig, seed: int) -> torch.nn.Module:
-    """The same initial model on every rank, site and the coordinator (seeded)."""
+def _module(cfg: WorkloadConfig):
     from site_trainer.workloads import digits, slm
 
+    return digits if cfg.name == "digits" else slm
+
+
+def make_model(cfg: WorkloadConfig, seed: int, device: str | torch.device | None = None) -> torch.nn.Module:
+    """The same initial model on every rank, site and the coordinator (seeded).
+
+    `device="meta"` gives the structure without storage (ZeRO ranks shard it before allocating).
+    """
     torch.manual_seed(seed)
-    return (digits if cfg.name == "digits" else slm).make_model(cfg)
+    if device is None:
+        return _module(cfg).make_model(cfg)
+    with torch.device(device):
+        return _module(cfg).make_model(cfg)
+
+
+def build_data(cfg: WorkloadConfig, partition: int, num_partitions: int, seed: int) -> SiteData:
+    return _module(cfg).make_data(cfg, partition, num_partitions, seed)
+
+
+def loss_fn(cfg: WorkloadConfig) -> Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, int]]:
+    return _module(cfg).batch_loss
 
 
 def build(cfg: WorkloadConfig, partition: int, num_partitions: int, seed: int) -> Workload:
-    from site_trainer.workloads import digits, slm
-
-    mod = digits if cfg.name == "digits" else slm
-    return Workload(make_model(cfg, seed), mod.make_data(cfg, partition, num_partitions, seed), mod.batch_loss)
+    return Workload(make_model(cfg, seed), build_data(cfg, partition, num_partitions, seed), loss_fn(cfg))
 
 
 def initial_weights(cfg: WorkloadConfig, seed: int) -> dict[str, np.ndarray]:

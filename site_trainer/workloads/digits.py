@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
 
 from site_trainer.config import WorkloadConfig
 
@@ -15,6 +14,8 @@ def make_model(cfg: WorkloadConfig) -> torch.nn.Module:
 
 
 def make_data(cfg: WorkloadConfig, partition: int, num_partitions: int, seed: int):
+    from sklearn.datasets import load_digits  # here, not at import: sklearn costs seconds per rank
+
     from site_trainer.workloads import SiteData, dirichlet_split
 
     x, y = load_digits(return_X_y=True)

@@ -6,7 +6,9 @@ which makes the split naturally non-IID (each site reads different code).
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 import sysconfig
 import zlib
 from pathlib import Path
@@ -74,11 +76,20 @@ def make_model(cfg: WorkloadConfig) -> nn.Module:
     return GPT(cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size)
 
 
-def stdlib_modules() -> list[Path]:
-    """The standard library's .py files, sorted, tests and site-packages left out."""
+@functools.lru_cache(maxsize=1)
+def stdlib_modules() -> tuple[Path, ...]:
+    """The standard library's .py files, sorted, tests and site-packages left out.
+
+    Skipped directories are pruned from the walk (site-packages can be far larger than the
+    stdlib), and the list is cached: every rank and every test builds data from it.
+    """
     root = Path(sysconfig.get_paths()["stdlib"])
-    skip = ("site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__")
-    return sorted(p for p in root.rglob("*.py") if not any(part in skip for part in p.relative_to(root).parts))
+    skip = {"site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
+    found = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in skip]
+        found.extend(Path(folder) / f for f in files if f.endswith(".py"))
+    return tuple(sorted(found))
 
 
 def site_corpus(partition: int, num_partitions: int, max_bytes: int) -> bytes:

@@ -1,0 +1,179 @@
+"""One rank of a site's local distributed trainer: model, optimizer, data and the round's work.
+
+No endpoint, no commands: `service.TrainerService` drives it in lock-step on every rank, and tests
+drive it directly. Every method that takes part in a collective says so; all ranks must call it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from site_trainer import local_checkpoint, strategies, workloads
+from site_trainer.config import TrainerConfig
+
+log = logging.getLogger("sovfl.trainer")
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class LocalTrainer:
+    def __init__(self, cfg: TrainerConfig):
+        self.cfg = cfg
+        s = cfg.site
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.strategy = s.strategy
+        self.device = strategies.device_for(s.backend)
+        strategies.check_supported(s.strategy, s.backend, self.device)
+        self.dtype = strategies.compute_dtype(s.mixed_precision, self.device)
+        torch.manual_seed(cfg.seed)
+        self.data = workloads.build_data(cfg.workload, s.partition, cfg.num_partitions, cfg.seed)
+        self.loss_fn = workloads.loss_fn(cfg.workload)
+        sharded = s.strategy in strategies.SHARDED
+        # Under ZeRO no rank materializes the full model: built on the meta device, sharded, then
+        # given storage for its own shards only; the real weights arrive with every round request.
+        module = workloads.make_model(cfg.workload, cfg.seed, device="meta" if sharded else None)
+        self.names = list(module.state_dict().keys())
+        self.spec = {n: ("<f4", tuple(t.shape)) for n, t in module.state_dict().items()}
+        if not sharded:
+            module.to(self.device)
+        self.model = strategies.wrap(module, s.strategy, self.dtype, s.activation_checkpointing, self.device)
+        if sharded:
+            module.to_empty(device=self.device)
+            if self.rank == 0:
+                init = workloads.initial_weights(cfg.workload, cfg.seed)
+            strategies.load_full_state(self.model, module, s.strategy, init if self.rank == 0 else None)
+        self.module = module
+        params = self.model.parameters()
+        self.optimizer = (torch.optim.SGD(params, lr=s.lr) if s.optimizer == "sgd"
+                          else torch.optim.AdamW(params, lr=s.lr, weight_decay=0.0))
+        self.train_idx = torch.arange(len(self.data.train_y))[self.rank :: self.world]
+        self.val_idx = torch.arange(len(self.data.val_y))[self.rank :: self.world]
+        if len(self.train_idx) == 0:
+            raise RuntimeError(f"site {s.id}: rank {self.rank} has no training data; use fewer ranks")
+        self.gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + s.partition * 1009 + self.rank)
+        self.rounds_trained = 0
+        if self.rank == 0:
+            log.info("site %s: strategy %s on %d rank(s) (%d node(s)), %s compute, grad_accum %d%s", s.id, s.strategy,
+                     self.world, s.nnodes, "bf16" if self.dtype else "fp32", s.grad_accum,
+                     ", activation checkpointing" if s.activation_checkpointing else "")
+
+    # ---- the round ------------------------------------------------------------------------
+    def load_global(self, arrays: dict[str, np.ndarray] | None) -> None:
+        """Collective: rank 0 holds the validated global model in `arrays`; every rank gets it."""
+        strategies.load_full_state(self.model, self.module, self.strategy, arrays)
+
+    def sample(self, size: int) -> Batch:
+        pick = self.train_idx[torch.randint(len(self.train_idx), (size,), generator=self.gen)]
+        return self.data.train_x[pick], self.data.train_y[pick]
+
+    def step(self, micro_batches: list[Batch]) -> torch.Tensor:
+        """Collective: one optimizer step over `micro_batches`, syncing gradients only on the last.
+
+        Each micro-batch loss is divided by the number of micro-batches, so k equal micro-batches
+        give the gradient of one batch k times larger. Returns [sum of loss x samples, samples].
+        """
+        k = len(micro_batches)
+        total = torch.zeros(2, dtype=torch.float64)
+        for i, (x, y) in enumerate(micro_batches):
+            x, y = x.to(self.device), y.to(self.device)
+            with strategies.gradient_sync(self.model, self.strategy, sync=i == k - 1):
+                with strategies.autocast(self.strategy, self.device, self.dtype):
+                    loss, _ = self.loss_fn(self.model, x, y)
+                (loss.float() / k).backward()
+            total += torch.tensor([loss.item() * len(y), len(y)], dtype=torch.float64)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total
+
+    def train(self, steps: int) -> dict:
+        """Collective: `steps` optimizer steps of `grad_accum` sampled micro-batches each."""
+        s = self.cfg.site
+        self.model.train()
+        total, t0 = torch.zeros(2, dtype=torch.float64), time.perf_counter()
+        for _ in range(steps):
+            total += self.step([self.sample(s.batch_size) for _ in range(s.grad_accum)])
+        seconds = time.perf_counter() - t0
+        if self.world > 1:
+            dist.all_reduce(total)
+        self.rounds_trained += 1
+        return {"loss": float(total[0] / total[1]), "steps": steps, "samples_seen": int(total[1]), "train_s": seconds}
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Collective: every rank runs the same number of forward passes (ZeRO gathers in each).
+
+        Uses the bare module: under DDP that skips the wrapper, under ZeRO it is the sharded model.
+        """
+        self.model.eval()
+        d = self.data
+        acc = torch.zeros(3, dtype=torch.float64)
+        longest = -(-len(d.val_y) // self.world)
+        for chunk in self.val_idx.tensor_split(max(1, -(-longest // 256))):
+            real = len(chunk) > 0
+            chunk = chunk if real else torch.zeros(1, dtype=torch.long)  # keep in step with the others
+            with strategies.autocast(self.strategy, self.device, self.dtype):
+                loss, correct = self.loss_fn(self.module, d.val_x[chunk].to(self.device), d.val_y[chunk].to(self.device))
+            if real:
+                acc += torch.tensor([loss.item() * len(chunk), len(chunk), max(correct, 0)], dtype=torch.float64)
+        strategies.after_forward_only(self.model, self.strategy)
+        if self.world > 1:
+            dist.all_reduce(acc)
+        out = {"eval_loss": float(acc[0] / max(acc[1], 1)), "num_val_examples": int(acc[1])}
+        if d.val_y.dtype == torch.long and d.val_y.dim() == 1:
+            out["eval_accuracy"] = float(acc[2] / max(acc[1], 1))
+        return out
+
+    @torch.no_grad()
+    def gather(self, visit: Callable[[str, torch.Tensor], None] | None = None) -> list[str]:
+        """Collective: walk the full weights (rank 0 passes `visit` to pack them) and return every
+        rank's digest. See `strategies.visit_full_state` for what a digest covers."""
+        mine = strategies.visit_full_state(self.module, self.strategy, visit)
+        if self.world == 1:
+            return [mine]
+        out: list = [None] * self.world
+        dist.all_gather_object(out, mine)
+        return out
+
+    def full_state(self) -> dict[str, np.ndarray]:
+        """Collective: the full fp32 weights on rank 0 ({} elsewhere); for tests and tools."""
+        out: dict[str, np.ndarray] = {}
+        keep = (lambda n, t: out.__setitem__(n, t.numpy().copy())) if self.rank == 0 else None
+        self.gather(keep)
+        return out
+
+    # ---- local checkpoints ----------------------------------------------------------------
+    def save_checkpoint(self, round_no: int, site_state: dict[str, np.ndarray]) -> Path:
+        """Collective: a sharded checkpoint of everything a resumed rank needs."""
+        t0 = time.perf_counter()
+        path = local_checkpoint.save(self.cfg.workdir, round_no, self.rounds_trained, self.model, self.optimizer, self.gen, site_state,
+                                     self.strategy, self.cfg.site.checkpoint_keep)
+        if self.rank == 0:
+            log.info("site %s: local checkpoint of round %d in %s (%.2fs)", self.cfg.site.id, round_no, path,
+                     time.perf_counter() - t0)
+        return path
+
+    def resume(self) -> tuple[int, dict[str, np.ndarray]] | None:
+        """Collective: restore the newest local checkpoint if there is one; returns (round, site_state)."""
+        path = local_checkpoint.find_latest(self.cfg.workdir)
+        if path is None:
+            return None
+        extras = local_checkpoint.load(path, self.model, self.optimizer, self.strategy)
+        round_no = -1
+        site_state: dict[str, np.ndarray] = {}
+        if extras is not None:
+            self.gen.set_state(extras.generator)
+            torch.set_rng_state(extras.torch_rng)
+            round_no, site_state = extras.round, extras.site_state
+            self.rounds_trained = extras.rounds_trained
+        if self.rank == 0:
+            log.info("site %s: resumed from local checkpoint %s (round %d: model, optimizer, RNG, %d site-state "
+                     "array(s))", self.cfg.site.id, path, round_no, len(site_state))
+        return round_no, site_state
