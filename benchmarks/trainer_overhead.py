@@ -29,6 +29,7 @@ from site_trainer.config import SiteConfig, TrainerConfig, WorkloadConfig  # noq
 
 
 def trainer_config(tmp: Path, name: str, workload: WorkloadConfig, ranks: int, steps: int) -> Path:
+    tmp.mkdir(parents=True, exist_ok=True)
     cfg = TrainerConfig(
         site=SiteConfig(id=name, ranks=ranks, partition=0, local_steps=steps, batch_size=16, lr=1e-3, optimizer="adamw"),
         workload=workload, num_partitions=1, seed=0, socket=str(tmp / f"{name}.sock"), workdir=str(tmp / name))
