@@ -86,8 +86,11 @@ class Coordinator:
 
     # ---- messaging -------------------------------------------------------------------------
     def exchange(self, nodes: Iterable[int], kind: str, content: Callable[[int], RecordDict],
-                  deadline_s: float) -> StageResult:
-        """Push one message per node and collect replies until all answered or the deadline."""
+                 deadline_s: float, on_reply: Callable[[str, int, Message], None] | None = None) -> StageResult:
+        """Push one message per node and collect replies until all answered or the deadline.
+
+        With `on_reply`, each good reply is handed over as soon as it is pulled and not kept
+        (replies are pulled one at a time), so a stage of large replies holds at most one."""
         result = StageResult()
         msgs = []
         for node in nodes:
@@ -102,23 +105,30 @@ class Coordinator:
                 pending[mid] = m.metadata.dst_node_id
             else:
                 result.failed[names[m.metadata.dst_node_id]] = "push_failed: the SuperLink did not accept the message"
+        del msgs
         end = time.monotonic() + deadline_s
         while pending and time.monotonic() < end:
-            for reply in self.grid.pull_messages(list(pending)):
-                node = pending.pop(reply.metadata.reply_to_message_id, None)
-                if node is None:
-                    continue
-                name = names[node]
-                if reply.has_error():
-                    reason = str(reply.error.reason)
-                    result.failed[name] = (f"deadline: the message expired before the site answered ({reason})"
-                                           if "TTL" in reason else f"client_error: {reason}")
-                    continue
-                status = reply.content.config_records.get("status")
-                if status is None or not status.get("ok", False):
-                    result.failed[name] = f"site_error: {status.get('error') if status else 'no status in reply'}"
-                    continue
-                result.ok[name] = reply
+            batches = [[mid] for mid in pending] if on_reply else [list(pending)]
+            for ids in batches:
+                for reply in self.grid.pull_messages(ids):
+                    node = pending.pop(reply.metadata.reply_to_message_id, None)
+                    if node is None:
+                        continue
+                    name = names[node]
+                    if reply.has_error():
+                        reason = str(reply.error.reason)
+                        result.failed[name] = (f"deadline: the message expired before the site answered ({reason})"
+                                               if "TTL" in reason else f"client_error: {reason}")
+                        continue
+                    status = reply.content.config_records.get("status")
+                    if status is None or not status.get("ok", False):
+                        result.failed[name] = f"site_error: {status.get('error') if status else 'no status in reply'}"
+                        continue
+                    if on_reply is None:
+                        result.ok[name] = reply
+                    else:
+                        on_reply(name, node, reply)
+                reply = None  # with on_reply: drop this reply before the next pull
             if pending:
                 time.sleep(POLL_S)
         for node in pending.values():

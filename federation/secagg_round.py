@@ -51,8 +51,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
 from flwr.app import ConfigRecord, Message, RecordDict
@@ -85,7 +84,6 @@ log = logging.getLogger("sovfl.secagg")
 STAGE_NAMES = {ADVERTISE: "advertise keys", SHARE_KEYS: "share keys", MASKED_INPUT: "masked input",
                UNMASK: "unmask"}
 OFFSET_DIGITS = 12  # chunk Array keys: the chunk's word offset, zero-padded (at most twice that here)
-POLL_S = 0.2
 
 
 def context_run_id(federation: str, flower_run_id: int) -> str:
@@ -174,12 +172,6 @@ def parse_chunks(reply: Message, length: int, bits: int) -> list[tuple[int, np.n
     return chunks
 
 
-@dataclass
-class _Stream:
-    failed: dict[str, str] = field(default_factory=dict)
-    bytes_down: int = 0
-
-
 class SecAggRound:
     """`RoundProtocol` for `federation.secagg.enabled`: see the module docstring."""
 
@@ -217,51 +209,6 @@ class SecAggRound:
             return spec.unflatten(flat)
 
         return k, dense
-
-    def _stream_exchange(self, coord: "Coordinator", nodes: list[int], kind: str,
-                         content: Callable[[int], RecordDict], deadline_s: float,
-                         on_reply: Callable[[str, int, Message], None]) -> _Stream:
-        """`Coordinator.exchange`, but each reply is pulled on its own and handed to `on_reply` at
-        once, then dropped (stage 3: at most one masked vector in memory besides the sum)."""
-        out = _Stream()
-        names = self._names(coord, nodes)
-        msgs = []
-        for node in nodes:
-            rd = content(node)
-            out.bytes_down += coord.record_bytes(rd)
-            msgs.append(Message(rd, dst_node_id=node, message_type=kind, ttl=deadline_s + 10))
-        pending: dict[str, int] = {}
-        for mid, m in zip(list(coord.grid.push_messages(msgs)), msgs):
-            if mid:
-                pending[mid] = m.metadata.dst_node_id
-            else:
-                out.failed[names[m.metadata.dst_node_id]] = "push_failed: the SuperLink did not accept the message"
-        del msgs
-        end = time.monotonic() + deadline_s
-        while pending and time.monotonic() < end:
-            for mid in list(pending):
-                batch = coord.grid.pull_messages([mid])
-                for reply in batch:
-                    node = pending.pop(reply.metadata.reply_to_message_id, None)
-                    if node is None:
-                        continue
-                    name = names[node]
-                    if reply.has_error():
-                        reason = str(reply.error.reason)
-                        out.failed[name] = (f"deadline: the message expired before the site answered ({reason})"
-                                            if "TTL" in reason else f"client_error: {reason}")
-                        continue
-                    status = reply.content.config_records.get("status")
-                    if status is None or not status.get("ok", False):
-                        out.failed[name] = f"site_error: {status.get('error') if status else 'no status in reply'}"
-                        continue
-                    on_reply(name, node, reply)
-                batch = reply = None  # drop this masked vector before the next pull
-            if pending:
-                time.sleep(POLL_S)
-        for node in pending.values():
-            out.failed[names[node]] = f"deadline: no reply within {deadline_s:.0f}s (crashed, hung or disconnected)"
-        return out
 
     def _reject(self, coord: "Coordinator", out: RoundOutcome, name: str, stage: int, err: Exception) -> None:
         reason = rejection_reason(err)
@@ -376,7 +323,7 @@ class SecAggRound:
             metrics["weight"] = weights[node]
             out.per_site[name] = metrics
 
-        res = self._stream_exchange(coord, live, "train", stage3_content, coord.fed.deadlines.round_s, on_masked)
+        res = coord.exchange(live, "train", stage3_content, coord.fed.deadlines.round_s, on_masked)
         out.bytes_down += res.bytes_down
         out.failed.update({k: f"stage 3 (masked input, train): {v}" for k, v in res.failed.items()})
         survivors = server.close_masked_input()

@@ -49,8 +49,10 @@ def main(grid: Grid, context: Context) -> None:
             progress("WARNING: no coordinator bundle: site updates are accepted UNSIGNED; provision one with "
                      "`sovfl provision` and pass it with --bundle")
         else:
-            progress(f"coordinator identity '{bundle.name}' in federation {bundle.federation_id}: "
-                     f"signed updates required{', sealed to our key' if cfg.federation.seal else ''}")
+            how = ("updates masked by SecAgg+ (secure-aggregation messages are not yet signed; TLS and "
+                   "SuperNode authentication carry site identity)" if cfg.federation.secagg.enabled else
+                   f"signed updates required{', sealed to our key' if cfg.federation.seal else ''}")
+            progress(f"coordinator identity '{bundle.name}' in federation {bundle.federation_id}: {how}")
         result = Coordinator(grid, cfg, workdir, context.run_id, initial, progress, bundle).run()
     except (ConfigError, FederationFailed) as err:
         progress(f"FAILED: {err}")
