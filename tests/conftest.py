@@ -34,3 +34,32 @@ def live_marked(marker: str) -> list[int]:
     from federation.launcher import marked_pids
 
     return marked_pids(marker)
+
+
+def assert_weighted_mean_rounds(run: Path, sites: set[str], ranks: int, rounds: int) -> list[dict]:
+    """Each round's checkpoint is the sample-weighted mean of the weights the sites dumped
+    (update_kind: weights), to 1e-6, and every rank of a site reported the same weights."""
+    import json
+
+    import numpy as np
+
+    from federation.checkpoint import load_checkpoint
+
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [x["status"] for x in lines] == ["aggregated"] * rounds
+    for rnd, line in enumerate(lines, start=1):
+        assert set(line["sites"]) == sites and not line["failed"]
+        acc: dict[str, np.ndarray] = {}
+        weight = 0
+        for site, info in line["sites"].items():
+            digests = info["rank_digests"]
+            assert len(digests) == ranks and len(set(digests)) == 1, f"{site} ranks diverged: {digests}"
+            with np.load(run / "sites" / site / "updates" / f"round_{rnd:04d}.npz") as z:
+                for k in z.files:
+                    acc[k] = acc.get(k, 0) + z[k].astype(np.float64) * info["samples"]
+            weight += info["samples"]
+        _, model, _ = load_checkpoint(run / "checkpoints" / f"round_{rnd:04d}.npz")
+        assert set(model) == set(acc)
+        for k in model:
+            np.testing.assert_allclose(model[k], acc[k] / weight, rtol=0, atol=1e-6)
+    return lines

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
-from conftest import ROOT, live_marked, write_config
-from federation.checkpoint import load_checkpoint
+from conftest import ROOT, assert_weighted_mean_rounds, live_marked, write_config
 
 pytestmark = pytest.mark.e2e
 
@@ -42,21 +39,5 @@ def test_three_sites_three_strategies(tmp_path, marker):
     for name, strategy in STRATEGIES.items():
         log = (run / "logs" / f"site-{name}-trainer.log").read_text()
         assert f"strategy {strategy}" in log, log[-2000:]
-    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [x["status"] for x in lines] == ["aggregated", "aggregated"]
-    for rnd, line in enumerate(lines, start=1):
-        assert set(line["sites"]) == set(STRATEGIES) and not line["failed"]
-        acc: dict[str, np.ndarray] = {}
-        weight = 0
-        for site, info in line["sites"].items():
-            digests = info["rank_digests"]
-            assert len(digests) == 2 and len(set(digests)) == 1, f"{site} ranks diverged: {digests}"
-            with np.load(run / "sites" / site / "updates" / f"round_{rnd:04d}.npz") as z:
-                for k in z.files:
-                    acc[k] = acc.get(k, 0) + z[k].astype(np.float64) * info["samples"]
-            weight += info["samples"]
-        _, model, _ = load_checkpoint(run / "checkpoints" / f"round_{rnd:04d}.npz")
-        assert set(model) == set(acc)
-        for k in model:
-            np.testing.assert_allclose(model[k], acc[k] / weight, rtol=0, atol=1e-6)
+    assert_weighted_mean_rounds(run, set(STRATEGIES), ranks=2, rounds=2)
     assert live_marked(marker) == []
