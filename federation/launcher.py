@@ -224,13 +224,10 @@ def wait_trainers(procs: dict[str, Proc], sockets: dict[str, str], deadline_s: f
                     progress(f"site {site}: trainer ready ({info['ranks']} rank(s), {info['num_examples']} examples)")
                     waiting.discard(site)
         if waiting and time.monotonic() > end:
-            raise LaunchError(f"trainer(s) {sorted(waiting)} not ready within {deadline_s:.0f}s; see {sup_logs(procs)}")
+            logs = ", ".join(str(procs[site].log) for site in sorted(waiting))
+            raise LaunchError(f"trainer(s) {sorted(waiting)} not ready within {deadline_s:.0f}s; see {logs}")
         if waiting:
             time.sleep(0.5)
-
-
-def sup_logs(procs: dict[str, Proc]) -> str:
-    return ", ".join(str(p.log) for p in procs.values())
 
 
 def write_flwr_connection(sup: Supervisor, address: str, ca: Path | None) -> None:

@@ -19,10 +19,20 @@ def write_config(path: Path, data: dict) -> Path:
     return path
 
 
+def _env(env: dict | None) -> dict:
+    return {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", **(env or {})}
+
+
 def sovfl(*args: str, env: dict | None = None, timeout: float = 600, **kw) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", **(env or {})}
+    """Run the `sovfl` CLI to completion, output captured."""
     return subprocess.run([sys.executable, "-m", "federation.cli", *args], capture_output=True, text=True,
-                          env=full_env, timeout=timeout, cwd=ROOT, **kw)
+                          env=_env(env), timeout=timeout, cwd=ROOT, **kw)
+
+
+def sovfl_popen(*args: str, env: dict | None = None) -> subprocess.Popen:
+    """Start the `sovfl` CLI in the background, stdout and stderr merged."""
+    return subprocess.Popen([sys.executable, "-m", "federation.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=_env(env), cwd=ROOT)
 
 
 @pytest.fixture
@@ -63,3 +73,19 @@ def assert_weighted_mean_rounds(run: Path, sites: set[str], ranks: int, rounds: 
         for k in model:
             np.testing.assert_allclose(model[k], acc[k] / weight, rtol=0, atol=1e-6)
     return lines
+
+
+def secagg_to_stage3(cfg, ids: list[int], length: int, run: str = "run", rnd: int = 1):
+    """SecAgg clients and server after key advertisement and sharing: ready for masked input."""
+    from crypto.secagg import SecAggClient, SecAggServer, new_context
+
+    ctx = new_context(run, rnd)
+    clients = {i: SecAggClient(cfg, ctx, i) for i in ids}
+    srv = SecAggServer(cfg, ctx, vector_len=length, sampled=ids)
+    for i in ids:
+        srv.receive_advert(i, clients[i].advertise_keys())
+    srv.close_advertise()
+    for i in ids:
+        srv.receive_share_keys(i, clients[i].share_keys(srv.share_keys_request(i)))
+    srv.close_share_keys()
+    return ctx, clients, srv

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from conftest import ROOT, live_marked, write_config
+from conftest import live_marked, sovfl, write_config
 from federation.client_app import encode_update
 from federation.codec_stage import CodecStage, round_seed
 from federation.codecs import UpdateSpec
@@ -64,9 +61,7 @@ def test_federation_with_topk_and_error_feedback(tmp_path, marker):
                      for i, n in enumerate(["a", "b"])]}
     path = write_config(tmp_path / "topk.yaml", cfg)
     run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "federation.cli", "simulate", str(path), "--workdir", str(run)],
-                          capture_output=True, text=True, timeout=400, cwd=ROOT,
-                          env={**os.environ, "SOVFL_RUN_MARKER": marker})
+    proc = sovfl("simulate", str(path), "--workdir", str(run), env={"SOVFL_RUN_MARKER": marker}, timeout=400)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [x["status"] for x in lines] == ["aggregated", "aggregated"]

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ROOT, assert_weighted_mean_rounds, live_marked, write_config
+from conftest import ROOT, assert_weighted_mean_rounds, live_marked, sovfl, sovfl_popen, write_config
 from federation.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.e2e
@@ -34,9 +34,7 @@ def test_three_sites_two_ranks_weighted_mean_is_exact(tmp_path, marker):
     }
     path = write_config(tmp_path / "exact.yaml", cfg)
     run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "federation.cli", "simulate", str(path), "--workdir", str(run)],
-                          capture_output=True, text=True, timeout=400, cwd=ROOT,
-                          env={**os.environ, "SOVFL_RUN_MARKER": marker})
+    proc = sovfl("simulate", str(path), "--workdir", str(run), env={"SOVFL_RUN_MARKER": marker}, timeout=400)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "RESULT rounds=2" in proc.stdout
     lines = assert_weighted_mean_rounds(run, {"paris", "frankfurt", "milan"}, ranks=2, rounds=2)
@@ -93,9 +91,7 @@ def test_crash_hang_and_hostile_site(tmp_path, marker):
     path = write_config(tmp_path / "faults.yaml", cfg)
     run = tmp_path / "run"
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "federation.cli", "simulate", str(path), "--workdir", str(run)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                            env={**os.environ, "SOVFL_RUN_MARKER": marker})
+    proc = sovfl_popen("simulate", str(path), "--workdir", str(run), env={"SOVFL_RUN_MARKER": marker})
     try:
         metrics = run / "metrics.jsonl"
         _wait_line(metrics, 1, proc, 300)
@@ -132,9 +128,7 @@ def test_ctrl_c_tears_everything_down(tmp_path, marker):
            "sites": [_site(0, "a", 2), _site(1, "b", 1)]}
     path = write_config(tmp_path / "intr.yaml", cfg)
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "federation.cli", "simulate", str(path), "--workdir", str(run)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                            env={**os.environ, "SOVFL_RUN_MARKER": marker})
+    proc = sovfl_popen("simulate", str(path), "--workdir", str(run), env={"SOVFL_RUN_MARKER": marker})
     try:
         _wait_line(run / "metrics.jsonl", 1, proc, 300)
         assert len(live_marked(marker)) >= 6  # superlink, 2 supernodes, 2 torchruns, 3 ranks, ...

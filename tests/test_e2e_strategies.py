@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT, assert_weighted_mean_rounds, live_marked, write_config
+from conftest import assert_weighted_mean_rounds, live_marked, sovfl, write_config
 
 pytestmark = pytest.mark.e2e
 
@@ -31,9 +28,7 @@ def test_three_sites_three_strategies(tmp_path, marker):
     }
     path = write_config(tmp_path / "strategies.yaml", cfg)
     run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "federation.cli", "simulate", str(path), "--workdir", str(run)],
-                          capture_output=True, text=True, timeout=400, cwd=ROOT,
-                          env={**os.environ, "SOVFL_RUN_MARKER": marker})
+    proc = sovfl("simulate", str(path), "--workdir", str(run), env={"SOVFL_RUN_MARKER": marker}, timeout=400)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "RESULT rounds=2" in proc.stdout
     for name, strategy in STRATEGIES.items():

@@ -5,14 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from conftest import secagg_to_stage3
 from crypto.secagg import (
     SecAggAbort,
-    SecAggClient,
     SecAggConfig,
-    SecAggServer,
     new_context,
 )
-from crypto.secagg.simulation import ADVERTISE, MASKED_INPUT, SHARE_KEYS, UNMASK, run_round
+from crypto.secagg.simulation import ADVERTISE, MASKED_INPUT, SHARE_KEYS, run_round
 
 P = 203  # not a multiple of the chunk: exercises the ragged last chunk and the weight word
 
@@ -104,16 +103,8 @@ def test_below_threshold_aborts_cleanly(drops: dict[int, int], where: str) -> No
 
 def test_partial_upload_aborts_instead_of_corrupting_the_sum() -> None:
     cfg = SecAggConfig(threshold=2, neighbours="auto", clip=1.0, chunk_bytes=64)
-    ctx = new_context("r", 4)
     ids = [1, 2, 3]
-    clients = {i: SecAggClient(cfg, ctx, i) for i in ids}
-    srv = SecAggServer(cfg, ctx, vector_len=P, sampled=ids)
-    for i in ids:
-        srv.receive_advert(i, clients[i].advertise_keys())
-    srv.close_advertise()
-    for i in ids:
-        srv.receive_share_keys(i, clients[i].share_keys(srv.share_keys_request(i)))
-    srv.close_share_keys()
+    ctx, clients, srv = secagg_to_stage3(cfg, ids, P, run="r", rnd=4)
     for i in ids:
         chunks = clients[i].masked_input(srv.masked_input_request(i), np.zeros(P, np.float32), 1)
         for n, (off, words) in enumerate(chunks):

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import secagg_to_stage3
 from crypto.secagg import (
     MalformedMessageError,
     ProtocolViolationError,
@@ -40,23 +41,10 @@ def _chi_square_p_value(counts: np.ndarray) -> float:
         return 0.5 * math.erfc(z / math.sqrt(2))
 
 
-def _to_stage3(cfg: SecAggConfig, ids: list[int], run: str = "run", rnd: int = 1):  # type: ignore[no-untyped-def]
-    ctx = new_context(run, rnd)
-    clients = {i: SecAggClient(cfg, ctx, i) for i in ids}
-    srv = SecAggServer(cfg, ctx, vector_len=P, sampled=ids)
-    for i in ids:
-        srv.receive_advert(i, clients[i].advertise_keys())
-    srv.close_advertise()
-    for i in ids:
-        srv.receive_share_keys(i, clients[i].share_keys(srv.share_keys_request(i)))
-    srv.close_share_keys()
-    return ctx, clients, srv
-
-
 @pytest.mark.parametrize("bits", [8, 32])
 def test_a_masked_vector_alone_is_uniform_over_the_ring(bits: int) -> None:
     cfg = SecAggConfig(threshold=2, clip=1.0, bits=bits, max_weight=1, chunk_bytes=1024)
-    _, clients, srv = _to_stage3(cfg, [1, 2, 3])
+    _, clients, srv = secagg_to_stage3(cfg, [1, 2, 3], P)
     x = np.full(P, 0.25, np.float32)  # a constant input: maximally non-uniform before masking
     words = np.concatenate([w for _, w in clients[1].masked_input(srv.masked_input_request(1), x, 1)])
     assert words.max() < 1 << bits
@@ -68,7 +56,7 @@ def test_a_masked_vector_alone_is_uniform_over_the_ring(bits: int) -> None:
 
 
 def _stage3_request(cfg: SecAggConfig):  # type: ignore[no-untyped-def]
-    ctx, clients, srv = _to_stage3(cfg, [1, 2, 3, 4])
+    ctx, clients, srv = secagg_to_stage3(cfg, [1, 2, 3, 4], P)
     return ctx, clients, srv, srv.masked_input_request(1)
 
 
@@ -134,7 +122,7 @@ def test_replayed_stage_messages_are_rejected() -> None:
 
 
 def test_a_client_never_reveals_both_secrets_of_a_neighbour() -> None:
-    ctx, clients, srv = _to_stage3(CFG, [1, 2, 3, 4])
+    ctx, clients, srv = secagg_to_stage3(CFG, [1, 2, 3, 4], P)
     for i in [1, 2, 3, 4]:
         for off, w in clients[i].masked_input(srv.masked_input_request(i), np.zeros(P, np.float32), 1):
             srv.add_masked_chunk(i, off, w)
@@ -149,7 +137,7 @@ def test_a_client_never_reveals_both_secrets_of_a_neighbour() -> None:
 
 
 def test_a_client_masks_only_once() -> None:
-    _, clients, srv = _to_stage3(CFG, [1, 2, 3])
+    _, clients, srv = secagg_to_stage3(CFG, [1, 2, 3], P)
     req = srv.masked_input_request(1)
     list(clients[1].masked_input(req, np.zeros(P, np.float32), 1))
     with pytest.raises(ProtocolViolationError):
@@ -158,7 +146,7 @@ def test_a_client_masks_only_once() -> None:
 
 def test_server_rejects_bad_chunks() -> None:
     cfg = SecAggConfig(threshold=2, clip=1.0, bits=16, chunk_bytes=1024)
-    _, clients, srv = _to_stage3(cfg, [1, 2, 3])
+    _, clients, srv = secagg_to_stage3(cfg, [1, 2, 3], P)
     chunks = list(clients[1].masked_input(srv.masked_input_request(1), np.zeros(P, np.float32), 1))
     off, w = chunks[0]
     srv.add_masked_chunk(1, off, w)

@@ -103,7 +103,7 @@ def test_killed_site_resumes_bit_identically_from_local_checkpoint(tmp_path):
         for cfg in (cfg_a, cfg_b):
             r2 = _call(cfg, "Train", w1, round=2, with_state=True, config={"update_kind": "weights"})
             seconds[cfg.site.id] = (_take(r2["update"]), _take(r2["state"]), r2["rank_digests"])
-        (wa, sa, da), (wb, sb, db) = seconds["steady"], seconds["crashy"]
+        (wa, _, da), (wb, sb, db) = seconds["steady"], seconds["crashy"]
         for k in init:
             np.testing.assert_array_equal(wa[k], wb[k])
         assert max(float(np.abs(wa[k] - w1[k]).max()) for k in init) > 0  # round 2 trained
