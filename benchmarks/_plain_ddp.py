@@ -43,6 +43,7 @@ def main() -> None:
     if rank == 0:
         samples = steps * cfg.site.batch_size * world
         print(json.dumps({"samples": samples, "seconds": seconds, "samples_per_s": samples / seconds}), flush=True)
+    dist.barrier()  # leave together (see tests/test_zero_worker.py)
     dist.destroy_process_group()
 
 

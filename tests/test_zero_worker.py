@@ -85,6 +85,9 @@ def main(out_path: str, workdir: str) -> None:
         keep(f"resumed-{strategy}", t)
     if dist.get_rank() == 0:
         np.savez(out_path, **out)
+    # tear the group down together: a rank that leaves while its peer is still writing has been
+    # seen to abort in gloo's destructors (SIGABRT, "terminate called without an active exception")
+    dist.barrier()
     dist.destroy_process_group()
 
 
