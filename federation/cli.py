@@ -115,7 +115,8 @@ def cmd_site(args: argparse.Namespace) -> int:
     try:
         trainer = launcher.start_trainer(sup, site, cfg, sock)
         launcher.wait_trainers({site.id: trainer}, {site.id: sock}, cfg.federation.deadlines.trainer_start_s, print)
-        node = launcher.start_supernode(sup, site, args.superlink, sock, bundle, args.insecure)
+        node = launcher.start_supernode(sup, site, args.superlink, sock, bundle, args.insecure,
+                                        launcher.site_attestation_config(cfg, site.id, workdir))
         print(f"site {site.id}: SuperNode connected to {args.superlink}; Ctrl-C to stop")
         while trainer.alive() and node.alive():
             time.sleep(1)

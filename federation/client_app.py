@@ -19,6 +19,7 @@ from federation.codec_stage import CodecStage
 from federation.codecs import CodecStateError
 from federation.pipeline import Payload, Pipeline, RoundContext
 from federation.protection import SiteProtection
+from federation import site_attestation
 from federation.wire import from_records, to_records
 from site_trainer import endpoint, handoff
 
@@ -90,6 +91,8 @@ def encode_update(arrays: dict[str, np.ndarray], state: dict[str, np.ndarray], c
 @app.query()
 def query(msg: Message, context: Context) -> Message:
     site, sock = _site(context)
+    if "attest" in msg.content.config_records:  # attested admission, both directions
+        return site_attestation.on_query(msg, context, site, _bundle(context))
     if "secagg" in msg.content.config_records:  # secure-aggregation stages 1, 2 and 4
         from federation import secagg_site
 
@@ -105,6 +108,13 @@ def query(msg: Message, context: Context) -> Message:
 def _relay(msg: Message, context: Context, method: str) -> Message:
     site, sock = _site(context)
     cfg = msg.content.config_records.get("config", ConfigRecord())
+    if method == "Train":  # a site that verifies the coordinator releases nothing to an unattested one
+        try:
+            why = site_attestation.refusal(context, _bundle(context))
+        except site_attestation.SiteAttestationError as err:
+            why = str(err)
+        if why:
+            return _fail(msg, site, why)
     deadline = float(cfg.get("deadline_s", 300))
     with_state = method == "Train" and str(cfg.get("codec", "identity")) != "identity" and bool(cfg.get("error_feedback", True))
     t0 = time.perf_counter()

@@ -13,6 +13,7 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from crypto.secagg import SecAggConfig
+from federation.attestation_config import AttestationConfig
 from federation.codecs import CodecError, validate_for_protection
 from site_trainer.config import SiteConfig, StrictModel, WorkloadConfig
 
@@ -48,6 +49,7 @@ class FederationConfig(StrictModel):
     error_feedback: bool = Field(True, description="keep what a lossy codec did not send, per site, for the next round")
     secagg: SecAggConfig = SecAggConfig(enabled=False)
     seal: bool = Field(False, description="seal every update to the coordinator's (attested) key")
+    attestation: AttestationConfig = AttestationConfig()
 
     @property
     def protection(self) -> str:
@@ -95,6 +97,20 @@ class ExperimentConfig(StrictModel):
             raise ValueError(
                 f"federation.quorum ({self.federation.quorum}) exceeds sites_per_round ({sample})"
             )
+        att = self.federation.attestation
+        if att.enabled:
+            unknown = sorted(set(att.site_overrides) - set(ids))
+            if unknown:
+                raise ValueError(f"federation.attestation.site_overrides names unknown site(s) {unknown}; sites: {ids}")
+            # what each site will run, checked now (a dev issuer's paths are filled in at launch)
+            probe = att.with_dev_issuer(Path("dev-issuer"), "dev", "dev", "00") if att.dev_issuer else att
+            for site in ids:
+                try:
+                    probe.for_site(site)
+                except ValidationError as err:
+                    raise ValueError(f"federation.attestation.site (for site {site}): "
+                                     + "; ".join(f"{'.'.join(map(str, e['loc'])) or '(top)'}: {e['msg']}"
+                                                 for e in err.errors())) from None
         parts = [s.partition for s in self.sites]
         if sorted(parts) != list(range(n)):
             raise ValueError(

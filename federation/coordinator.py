@@ -21,6 +21,7 @@ from flwr.serverapp import Grid
 
 from crypto.envelope import ReplayGuard
 from crypto.pki import CoordinatorBundle
+from federation.admission import Admission
 from federation.aggregate import ServerOptimizer
 from federation.checkpoint import save_checkpoint
 from federation.codec_stage import CodecStage, round_seed
@@ -75,6 +76,12 @@ class Coordinator:
             from federation.secagg_round import SecAggRound
 
             self.protocol = SecAggRound(self.fed.secagg)
+        self.admission: Admission | None = None
+        if self.fed.attestation.enabled:
+            if bundle is None:
+                raise FederationFailed("federation.attestation needs the coordinator's provisioned bundle (its "
+                                       "sealing key is what its evidence binds, the registry holds the sites' keys)")
+            self.admission = Admission(self.fed.attestation.coordinator, bundle, self.fed.attestation.stage_s)
         self.sites: dict[int, Site] = {}
         self.rejections: dict[str, int] = {}
         self._progress = progress or (lambda line: log.info(line))
@@ -98,7 +105,7 @@ class Coordinator:
             result.bytes_down += record_bytes(rd)
             # a little TTL beyond our deadline so a site's own timeout report can still get through
             msgs.append(Message(rd, dst_node_id=node, message_type=kind, ttl=deadline_s + 10))
-        names = {m.metadata.dst_node_id: self._name(m.metadata.dst_node_id) for m in msgs}
+        names = {m.metadata.dst_node_id: self.site_name(m.metadata.dst_node_id) for m in msgs}
         pending: dict[str, int] = {}
         for mid, m in zip(list(self.grid.push_messages(msgs)), msgs):
             if mid:
@@ -135,7 +142,7 @@ class Coordinator:
             result.failed[names[node]] = f"deadline: no reply within {deadline_s:.0f}s (crashed, hung or disconnected)"
         return result
 
-    def _name(self, node: int) -> str:
+    def site_name(self, node: int) -> str:
         site = self.sites.get(node)
         return site.name if site else f"node-{node}"
 
@@ -208,13 +215,26 @@ class Coordinator:
     def count_rejection(self, reason: str) -> None:
         self.rejections[reason] = self.rejections.get(reason, 0) + 1
 
+    def round_horizon_s(self) -> float:
+        """The latest an update of this round can arrive, every stage at its deadline."""
+        d = self.fed.deadlines
+        stages = d.round_s + 2 * self.fed.attestation.stage_s
+        return stages + (3 * d.secagg_stage_s if self.fed.secagg.enabled else 0.0)
+
     def train_round(self, rnd: int) -> dict:
         t0 = time.monotonic()
         nodes = self.sample(rnd)
+        sampled, admission = len(nodes), None
+        if self.admission is not None:
+            admission = self.admission.run(self, rnd, nodes, self.round_horizon_s())
+            nodes = admission.admitted
         out = self.protocol.train(self, rnd, nodes)
         for name, reason in out.failed.items():
             self.progress(f"round {rnd}: site {name} excluded: {reason}")
-        line = {"round": rnd, "sites": out.per_site, "failed": out.failed, "sampled": len(nodes),
+        if admission is not None:
+            out.failed.update(admission.excluded)
+            out.extra["attestation"] = admission.metrics()
+        line = {"round": rnd, "sites": out.per_site, "failed": out.failed, "sampled": sampled,
                 "bytes_down": out.bytes_down, "bytes_up": out.bytes_up, "rejections": dict(self.rejections),
                 **out.extra}
         dense = sum(v.nbytes for v in self.model.values())
@@ -233,7 +253,10 @@ class Coordinator:
         return line
 
     def evaluate_round(self, rnd: int) -> dict:
-        res = self.exchange(sorted(self.sites), "evaluate", self.model_message(rnd, self.fed.deadlines.evaluate_s),
+        nodes = sorted(self.sites)
+        if self.admission is not None:  # the model goes only to sites admitted now
+            nodes = [n for n in nodes if self.admission.admitted(self.site_name(n))]
+        res = self.exchange(nodes, "evaluate", self.model_message(rnd, self.fed.deadlines.evaluate_s),
                              self.fed.deadlines.evaluate_s)
         tot = np.zeros(3)
         for reply in res.ok.values():

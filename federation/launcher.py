@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 from crypto.pki import provision
+from federation.attestation_config import resolve
 from federation.config import ExperimentConfig, load_config
 from site_trainer import endpoint
 from site_trainer.config import SiteConfig, TrainerConfig
@@ -208,6 +209,22 @@ def start_supernode(sup: Supervisor, site: SiteConfig, superlink: str, socket_pa
     ])
 
 
+def site_attestation_config(cfg: ExperimentConfig, site: str, workdir: Path,
+                            issuer_dir: Path | None = None) -> dict[str, str]:
+    """The node config that points a site's ClientApp at its attestation settings (written to
+    `workdir`), or nothing when attestation is off."""
+    if not cfg.federation.attestation.enabled:
+        return {}
+    try:
+        att = resolve(cfg.federation.attestation, issuer_dir, create=issuer_dir is not None)
+    except ValueError as err:
+        raise LaunchError(str(err)) from None
+    path = Path(workdir) / "attestation.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(att.for_site(site).model_dump_json(indent=2))
+    return {"attestation-config": str(path)}
+
+
 def wait_trainers(procs: dict[str, Proc], sockets: dict[str, str], deadline_s: float,
                   progress: Callable[[str], None]) -> None:
     end = time.monotonic() + deadline_s
@@ -239,11 +256,15 @@ def write_flwr_connection(sup: Supervisor, address: str, ca: Path | None) -> Non
     )
 
 
-def submit_run(sup: Supervisor, config_path: Path, address: str, bundle: Path | None = None) -> Proc:
-    """`flwr run` of our app; the coordinator's bundle (keys that open site envelopes) goes along."""
+def submit_run(sup: Supervisor, config_path: Path, address: str, bundle: Path | None = None,
+               dev_issuer: Path | None = None) -> Proc:
+    """`flwr run` of our app; the coordinator's bundle (keys that open site envelopes) goes along,
+    and under `sovfl simulate` the dev attestation issuer's directory."""
     run_config = f'config-path="{config_path.resolve()}" workdir="{sup.workdir.resolve()}"'
     if bundle is not None:
         run_config += f' bundle-dir="{bundle}"'
+    if dev_issuer is not None:
+        run_config += f' dev-issuer-dir="{dev_issuer}"'
     return sup.start("flwr-run", [_bin("flwr"), "run", str(APP_DIR), "sovfl", "--run-config", run_config, "--stream"])
 
 
@@ -295,8 +316,12 @@ def result_line(result: dict) -> str:
 
 
 def simulate(config_path: str | Path, workdir: str | Path | None = None,
-             progress: Callable[[str], None] = print, insecure: bool = False) -> dict:
-    """Run a whole federation on loopback with real processes; returns the run's result."""
+             progress: Callable[[str], None] = print, insecure: bool = False,
+             tap: Callable[[str], str] | None = None) -> dict:
+    """Run a whole federation on loopback with real processes; returns the run's result.
+
+    `tap` maps the SuperLink's address to the one the sites dial instead (a wire audit's
+    recording proxy)."""
     config_path = Path(config_path)
     cfg = load_config(config_path)
     workdir = Path(workdir or Path("runs") / f"{cfg.federation.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
@@ -322,9 +347,12 @@ def simulate(config_path: str | Path, workdir: str | Path | None = None,
         write_flwr_connection(sup, f"127.0.0.1:{port}", None if insecure else coord / "ca.crt")
         if not insecure:
             register_supernodes(sup, {s.id: pki / "sites" / s.id / "supernode_auth.pub" for s in cfg.sites})
-        supernodes = {s.id: start_supernode(sup, s, f"127.0.0.1:{port}", sockets[s.id], pki / "sites" / s.id,
-                                            insecure) for s in cfg.sites}
-        run = submit_run(sup, config_path, f"127.0.0.1:{port}", coord)
+        issuer = pki / "dev-attestation-issuer" if cfg.federation.attestation.dev_issuer else None
+        dial = tap(f"127.0.0.1:{port}") if tap else f"127.0.0.1:{port}"
+        supernodes = {s.id: start_supernode(
+            sup, s, dial, sockets[s.id], pki / "sites" / s.id, insecure,
+            site_attestation_config(cfg, s.id, workdir / "sites" / s.id, issuer)) for s in cfg.sites}
+        run = submit_run(sup, config_path, f"127.0.0.1:{port}", coord, issuer)
         watched = {**trainers, **{f"{k} (supernode)": v for k, v in supernodes.items()}}
         result = watch_run(sup, [superlink, run], watched, run_deadline(cfg), progress)
     finally:

@@ -11,6 +11,7 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from crypto.pki import CoordinatorBundle
+from federation.attestation_config import AttestationConfig, resolve
 from federation.config import ConfigError, load_config
 from federation.coordinator import Coordinator, FederationFailed
 
@@ -28,6 +29,15 @@ def progress_writer(workdir: Path):
     return write
 
 
+def attestation_line(att: AttestationConfig) -> str:
+    kind = att.coordinator.attester.kind if att.coordinator.attester else None
+    line = (f"attestation: sites admitted before each round on evidence appraised by "
+            f"{sorted(att.coordinator.sites.verifiers)}; the coordinator attests with {kind or 'nothing'}")
+    if kind in ("local-token", "insecure-dev"):
+        line += f" (WARNING: {kind} is for development: no hardware root of trust)"
+    return line
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     workdir = Path(str(context.run_config.get("workdir") or ".")).resolve()
@@ -36,6 +46,12 @@ def main(grid: Grid, context: Context) -> None:
     result: dict
     try:
         cfg = load_config(str(context.run_config["config-path"]))
+        issuer_dir = str(context.run_config.get("dev-issuer-dir") or "")
+        try:
+            att = resolve(cfg.federation.attestation, Path(issuer_dir) if issuer_dir else None)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        cfg = cfg.model_copy(update={"federation": cfg.federation.model_copy(update={"attestation": att})})
         from site_trainer.workloads import initial_weights  # torch lives only in this process
 
         initial = initial_weights(cfg.workload, cfg.federation.seed)
@@ -53,6 +69,8 @@ def main(grid: Grid, context: Context) -> None:
                    "SuperNode authentication carry site identity)" if cfg.federation.secagg.enabled else
                    f"signed updates required{', sealed to our key' if cfg.federation.seal else ''}")
             progress(f"coordinator identity '{bundle.name}' in federation {bundle.federation_id}: {how}")
+        if att.enabled:
+            progress(attestation_line(att))
         result = Coordinator(grid, cfg, workdir, context.run_id, initial, progress, bundle).run()
     except (ConfigError, FederationFailed) as err:
         progress(f"FAILED: {err}")

@@ -46,9 +46,11 @@ def live_marked(marker: str) -> list[int]:
     return marked_pids(marker)
 
 
-def assert_weighted_mean_rounds(run: Path, sites: set[str], ranks: int, rounds: int) -> list[dict]:
+def assert_weighted_mean_rounds(run: Path, sites: set[str], ranks: int, rounds: int,
+                                excluded: frozenset[str] = frozenset()) -> list[dict]:
     """Each round's checkpoint is the sample-weighted mean of the weights the sites dumped
-    (update_kind: weights), to 1e-6, and every rank of a site reported the same weights."""
+    (update_kind: weights), to 1e-6, and every rank of a site reported the same weights; exactly
+    the `excluded` sites failed."""
     import json
 
     import numpy as np
@@ -58,7 +60,7 @@ def assert_weighted_mean_rounds(run: Path, sites: set[str], ranks: int, rounds: 
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [x["status"] for x in lines] == ["aggregated"] * rounds
     for rnd, line in enumerate(lines, start=1):
-        assert set(line["sites"]) == sites and not line["failed"]
+        assert set(line["sites"]) == sites and set(line["failed"]) == set(excluded), line["failed"]
         acc: dict[str, np.ndarray] = {}
         weight = 0
         for site, info in line["sites"].items():

@@ -11,11 +11,15 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import x25519
 
 from crypto.attestation import (
+    ATTESTER_ENTRY_POINT_GROUP, Attester, UnknownAttester, available_attesters, create_attester,
+)
+from crypto.attestation import (
     AttestationGate, BadSignature, DebugEnabled, EatJwtVerifier, Evidence, InsecureDevAttester, InsecureVerifierRefused,
     KeyBindingMismatch, MalformedEvidence, MeasurementNotAllowed, NonceMismatch, Policy, ReplayedToken, TokenExpired,
     TokenTooOld, UnknownSigningKey, UnsupportedAlgorithm, Verifier, WrongAudience, WrongIssuer, create_verifier,
     verify_jws,
 )
+from crypto.attestation import plugins as plugins_mod
 from crypto.attestation import verifier as verifier_mod
 from crypto.attestation.jws import Jwks, sign_jws
 from crypto.attestation.models import b64url
@@ -231,8 +235,43 @@ class _DummyVerifier(Verifier):
 
 def test_entry_point_plugin(monkeypatch: pytest.MonkeyPatch) -> None:
     ep = EntryPoint(name="dummy-tee", value=f"{__name__}:_DummyVerifier", group=verifier_mod.ENTRY_POINT_GROUP)
-    monkeypatch.setattr(verifier_mod, "entry_points", lambda group: [ep] if group == ep.group else [])
+    monkeypatch.setattr(plugins_mod, "entry_points", lambda group: [ep] if group == ep.group else [])
     assert "dummy-tee" in verifier_mod.available_verifiers()
     assert isinstance(verifier_mod.create_verifier("dummy-tee", {}), _DummyVerifier)
     with pytest.raises(verifier_mod.UnknownVerifier):
         verifier_mod.create_verifier("no-such-tee")
+
+
+class _DummyAttester(Attester):
+    format = "dummy-tee"
+
+    def __init__(self, party: str, level: int = 0):
+        super().__init__(party)
+        self.level = level
+
+    def attest(self, nonce, public_key):  # type: ignore[no-untyped-def]
+        raise NotImplementedError
+
+
+def test_attester_plugins_and_builtins(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    ep = EntryPoint(name="dummy-tee", value=f"{__name__}:_DummyAttester", group=ATTESTER_ENTRY_POINT_GROUP)
+    monkeypatch.setattr(plugins_mod, "entry_points", lambda group: [ep] if group == ep.group else [])
+    assert {"dummy-tee", "insecure-dev", "local-token"} <= set(available_attesters())
+    built = create_attester("dummy-tee", "site-a", {"level": 3})
+    assert isinstance(built, _DummyAttester) and built.level == 3 and built.party == "site-a"
+    with pytest.raises(UnknownAttester, match="does not accept config"):
+        create_attester("dummy-tee", "site-a", {"nope": 1})
+    with pytest.raises(UnknownAttester, match="installed"):
+        create_attester("no-such-tee", "site-a")
+    # local-token: a saved issuer, shared between processes through its directory
+    issuer = LocalTokenIssuer()
+    issuer.save(tmp_path / "issuer")
+    assert oct((tmp_path / "issuer" / "issuer_key.pem").stat().st_mode & 0o777) == "0o600"
+    with pytest.raises(UnknownAttester, match="issuer_dir"):
+        create_attester("local-token", "site-a", {})
+    with pytest.raises(UnknownAttester, match="unknown option"):
+        create_attester("local-token", "site-a", {"issuer_dir": str(tmp_path / "issuer"), "measurment": "x"})
+    attester = create_attester("local-token", "site-a", {"issuer_dir": str(tmp_path / "issuer")})
+    gate, key = make_gate(issuer), raw_pub()
+    ch = gate.challenge("site-a")
+    assert gate.admit("site-a", attester.attest(ch.nonce_bytes(), key), public_key=key).attester == "site-a"

@@ -50,6 +50,15 @@ BAD = [
     ("bad site id", _with(["sites", 0, "id"], "a b"), "sites.0.id", "pattern"),
     ("bad workload", _with(["workload", "name"], "imagenet"), "workload.name", "digits"),
     ("heads", _with(["workload"], {"name": "slm", "n_embd": 30, "n_head": 4}), "divisible by n_head", ""),
+    ("attestation without verifiers", _with(["federation", "attestation"], {"enabled": True}),
+     "coordinator.sites.verifiers is empty", "dev_issuer"),
+    ("attestation override of unknown site", _with(["federation", "attestation"], {
+        "enabled": True, "dev_issuer": True, "site_overrides": {"zz": {}}}), "unknown site(s) ['zz']", "sites: ['a', 'b']"),
+    ("attestation site typo", _with(["federation", "attestation"], {
+        "enabled": True, "dev_issuer": True, "site": {"verify_coordinater": False}}), "for site a", "verify_coordinater"),
+    ("coordinator unattested", _with(["federation", "attestation"], {
+        "enabled": True, "coordinator": {"sites": {"verifiers": {"eat-jwt": {}}}}}), "coordinator.attester is unset",
+     "verify_coordinator: false"),
 ]
 
 

@@ -5,14 +5,16 @@ results expire; a policy allowlists measurements and rejects debug; any failure 
 :class:`AttestationError` with a ``reason`` code and closes the door. See README.md.
 """
 
-from .attester import Attester, TokenServiceAttester
+from .attester import (
+    ATTESTER_ENTRY_POINT_GROUP, Attester, TokenServiceAttester, UnknownAttester, available_attesters, create_attester,
+)
 from .eat_jwt import EatJwtConfig, EatJwtVerifier
 from .errors import (
     AttestationError, BadSignature, DebugEnabled, InsecureVerifierRefused, KeyBindingMismatch, MalformedEvidence,
     MeasurementNotAllowed, NonceMismatch, ReplayedToken, TokenExpired, TokenNotYetValid, TokenTooOld, UnknownSigningKey,
     UnknownVerifier, UnsupportedAlgorithm, VerifierNotAllowed, WrongAudience, WrongIssuer,
 )
-from .gate import AttestationGate
+from .gate import AttestationGate, appraise
 from .insecure_dev import InsecureDevAttester, InsecureDevConfig, InsecureDevVerifier
 from .jws import Jwks, verify_jws
 from .models import AttestationResult, Challenge, Evidence, key_hash
@@ -21,6 +23,7 @@ from .policy import Policy
 from .verifier import ENTRY_POINT_GROUP, Verifier, available_verifiers, create_verifier, load_verifier_class
 
 __all__ = [
+    "ATTESTER_ENTRY_POINT_GROUP", "UnknownAttester", "appraise", "available_attesters", "create_attester",
     "ENTRY_POINT_GROUP", "AttestationError", "AttestationGate", "AttestationResult", "Attester", "BadSignature",
     "Challenge", "DebugEnabled", "EatJwtConfig", "EatJwtVerifier", "Evidence", "InsecureDevAttester",
     "InsecureDevConfig", "InsecureDevVerifier", "InsecureVerifierRefused", "Jwks", "KeyBindingMismatch",

@@ -3,9 +3,22 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
+from .errors import AttestationError
 from .models import Evidence, b64url, key_hash
+from .plugins import available, load_class
+
+ATTESTER_ENTRY_POINT_GROUP = "sovereign_fl.attesters"
+BUILTIN_ATTESTERS = {
+    "insecure-dev": "crypto.attestation.insecure_dev:InsecureDevAttester",
+    "local-token": "crypto.attestation.testing:LocalTokenAttester",
+}
+
+
+class UnknownAttester(AttestationError):
+    reason = "unknown_attester"
 
 
 class Attester(ABC):
@@ -19,6 +32,12 @@ class Attester(ABC):
 
     @abstractmethod
     def attest(self, nonce: bytes, public_key: bytes) -> Evidence: ...
+
+    @classmethod
+    def from_config(cls, party: str, config: Mapping[str, Any]) -> "Attester":
+        """Build from a config mapping (what a party's attestation file names); override when the
+        constructor needs more than keyword values."""
+        return cls(party, **dict(config))
 
 
 class TokenServiceAttester(Attester):
@@ -39,3 +58,17 @@ class TokenServiceAttester(Attester):
         token = self._fetch(nonce, key_hash(public_key))
         return Evidence(format=self.format, attester=self.party, nonce=b64url(nonce), public_key=b64url(public_key),
                         payload=token)
+
+
+def available_attesters() -> dict[str, str]:
+    return available(ATTESTER_ENTRY_POINT_GROUP, BUILTIN_ATTESTERS)
+
+
+def create_attester(kind: str, party: str, config: Mapping[str, Any] | None = None) -> Attester:
+    """An attester by name: a built-in or a ``sovereign_fl.attesters`` plug-in (SEV-SNP, TDX, ...)."""
+    cls = load_class(kind, group=ATTESTER_ENTRY_POINT_GROUP, builtins=BUILTIN_ATTESTERS, base=Attester,
+                     error=UnknownAttester)
+    try:
+        return cls.from_config(party, config or {})
+    except TypeError as exc:
+        raise UnknownAttester(f"attester {kind!r} does not accept config {sorted(config or {})}: {exc}") from None

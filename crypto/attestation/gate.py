@@ -48,13 +48,22 @@ class AttestationGate:
             except ValueError as exc:
                 raise MalformedEvidence("evidence nonce is not base64url") from exc
             self.nonces.consume(party, nonce, now)
-            verifier = self.verifiers.get(evidence.format)
-            if verifier is None:
-                raise UnknownVerifier(f"no verifier configured for evidence format {evidence.format!r}")
-            result = verifier.verify(evidence, nonce=nonce, now=now)
-            result = self.policy.evaluate(result, nonce=nonce, public_key=public_key, now=now)
+            result = appraise(evidence, nonce=nonce, public_key=public_key, verifiers=self.verifiers,
+                              policy=self.policy, now=now)
         except AttestationError as exc:
             log.info("attestation of %r rejected: %s", party, exc)
             raise
         log.info("attestation of %r accepted by %s until %s", party, result.verifier, result.expires_at.isoformat())
         return result
+
+
+def appraise(evidence: Evidence, *, nonce: bytes, public_key: bytes, verifiers: Mapping[str, Verifier],
+             policy: Policy, now: dt.datetime | None = None) -> AttestationResult:
+    """Verify ``evidence`` against a nonce the relying party made and already checked as fresh and
+    unused, then apply ``policy``. The gate's nonce bookkeeping lives in memory; a relying party
+    whose state lives elsewhere (a site's ClientApp, one process per message) calls this directly."""
+    verifier = verifiers.get(evidence.format)
+    if verifier is None:
+        raise UnknownVerifier(f"no verifier configured for evidence format {evidence.format!r}")
+    result = verifier.verify(evidence, nonce=nonce, now=now)
+    return policy.evaluate(result, nonce=nonce, public_key=public_key, now=now)

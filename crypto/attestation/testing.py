@@ -3,15 +3,21 @@ shaped like an attestation service's (EAT claims). Not a root of trust."""
 
 from __future__ import annotations
 
+import json
+import logging
 import time
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
 
 from .attester import Attester
 from .jws import public_jwk, sign_jws
 from .models import Evidence, b64url, key_hash
 
+log = logging.getLogger(__name__)
 GOOD_MEASUREMENT = "a1" * 48  # a made-up 384-bit launch measurement
 
 
@@ -31,6 +37,31 @@ class LocalTokenIssuer:
                  audience: str = "sovereign-fl"):
         self.issuer, self.alg, self.kid, self.audience = issuer, alg, kid, audience
         self.key = _new_key(alg)
+
+    def save(self, directory: str | Path) -> Path:
+        """Write the issuer's key (0600), its settings and its JWKS, for other processes to use."""
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        key = d / "issuer_key.pem"
+        key.touch(mode=0o600)
+        key.write_bytes(self.key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                               serialization.NoEncryption()))
+        (d / "issuer.json").write_text(json.dumps({"issuer": self.issuer, "alg": self.alg, "kid": self.kid,
+                                                   "audience": self.audience}))
+        (d / "jwks.json").write_text(json.dumps(self.jwks()))
+        return d
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "LocalTokenIssuer":
+        d = Path(directory)
+        try:
+            meta = json.loads((d / "issuer.json").read_text())
+            key = serialization.load_pem_private_key((d / "issuer_key.pem").read_bytes(), None)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{d} is not a saved LocalTokenIssuer ({exc}); create one with LocalTokenIssuer().save(dir)") from None
+        issuer = cls(meta["issuer"], meta["alg"], meta["kid"], meta["audience"])
+        issuer.key = key
+        return issuer
 
     def jwks(self) -> dict[str, Any]:
         return {"keys": [public_jwk(self.key, self.kid, self.alg)]}
@@ -58,6 +89,19 @@ class LocalTokenAttester(Attester):
     def __init__(self, party: str, issuer: LocalTokenIssuer, **mint_kwargs: Any):
         super().__init__(party)
         self.issuer, self.mint_kwargs = issuer, mint_kwargs
+
+    @classmethod
+    def from_config(cls, party: str, config: Mapping[str, Any]) -> "LocalTokenAttester":
+        """``issuer_dir`` names a saved issuer; the rest (measurement, debug, lifetime_s) shapes its tokens."""
+        opts = dict(config)
+        if "issuer_dir" not in opts:
+            raise TypeError("local-token needs issuer_dir (a directory written by LocalTokenIssuer.save)")
+        unknown = set(opts) - {"issuer_dir", "measurement", "debug", "lifetime_s"}
+        if unknown:
+            raise TypeError(f"unknown option(s) {sorted(unknown)}; local-token takes issuer_dir, measurement, debug, "
+                            "lifetime_s")
+        log.warning("local-token attester for %r: tokens come from a local TEST issuer, not from a TEE", party)
+        return cls(party, LocalTokenIssuer.load(opts.pop("issuer_dir")), **opts)
 
     def attest(self, nonce: bytes, public_key: bytes) -> Evidence:
         token = self.issuer.mint(nonce=nonce, public_key=public_key, **self.mint_kwargs)

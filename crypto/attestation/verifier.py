@@ -8,17 +8,16 @@ entry-point group ``sovereign_fl.verifiers`` (see README.md in this package).
 from __future__ import annotations
 
 import datetime as dt
-import importlib
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from importlib.metadata import entry_points
 from typing import Any, ClassVar
 
 from pydantic import BaseModel
 
 from .errors import InsecureVerifierRefused, UnknownVerifier
 from .models import AttestationResult, Evidence
+from .plugins import available, load_class
 
 log = logging.getLogger(__name__)
 
@@ -50,29 +49,13 @@ class Verifier(ABC):
     def verify(self, evidence: Evidence, *, nonce: bytes, now: dt.datetime | None = None) -> AttestationResult: ...
 
 
-def _load(target: str) -> Any:
-    module, _, attr = target.partition(":")
-    return getattr(importlib.import_module(module), attr)
-
-
 def available_verifiers() -> dict[str, str]:
     """name -> "module:Class" for built-ins and installed plug-ins (built-ins win on a clash)."""
-    out = {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
-    out.update(BUILTIN_VERIFIERS)
-    return out
+    return available(ENTRY_POINT_GROUP, BUILTIN_VERIFIERS)
 
 
 def load_verifier_class(name: str) -> type[Verifier]:
-    if name in BUILTIN_VERIFIERS:
-        cls = _load(BUILTIN_VERIFIERS[name])
-    else:
-        eps = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
-        if not eps:
-            raise UnknownVerifier(f"no verifier {name!r}; installed: {sorted(available_verifiers())}")
-        cls = eps[0].load()
-    if not (isinstance(cls, type) and issubclass(cls, Verifier)):
-        raise UnknownVerifier(f"entry point {name!r} does not name a Verifier subclass")
-    return cls
+    return load_class(name, group=ENTRY_POINT_GROUP, builtins=BUILTIN_VERIFIERS, base=Verifier, error=UnknownVerifier)
 
 
 def create_verifier(
