@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from crypto.secagg import SecAggConfig
-from federation.codecs import CodecError, validate_for_protection
+from federation.codecs import CodecError, parse_codec_config, validate_for_protection
 from site_trainer.config import SiteConfig, StrictModel, WorkloadConfig
 
 
@@ -48,6 +48,17 @@ class FederationConfig(StrictModel):
     error_feedback: bool = Field(True, description="keep what a lossy codec did not send, per site, for the next round")
     secagg: SecAggConfig = SecAggConfig(enabled=False)
     seal: bool = Field(False, description="seal every update to the coordinator's (attested) key")
+    downlink_codec: str = Field("identity", description="codec of the global model sent to sites, e.g. 'int8' "
+                                "(federation/downlink.py); any codec, also with secagg; identity: dense")
+
+    @field_validator("downlink_codec")
+    @classmethod
+    def _downlink_codec_parses(cls, spec: str) -> str:
+        try:
+            parse_codec_config(spec)
+        except CodecError as err:
+            raise ValueError(str(err)) from None
+        return spec
 
     @property
     def protection(self) -> str:
