@@ -6,9 +6,14 @@
 2. Under secure aggregation the masked ring elements must hold the sum of N sites without
    wrapping, so int8 codes travel as 8 + ceil(log2 N) bits, packed at exactly that width.
    We report the ratio for several N and use the worst (largest N) in the RESULT line.
-3. In-process FedAvg on sklearn digits (benchmarks/_fedsim.py) gives the accuracy table.
+3. Downlink: the coordinator's real model messages (federation/downlink.py) for the same 10M
+   model: bytes a site receives for one model step, ratio vs the dense model, coordinator encode
+   and site reconstruct seconds.
+4. In-process FedAvg on sklearn digits (benchmarks/_fedsim.py: the federation's own coordinator
+   and site code, SecAgg+ included) gives the accuracy table, uplink codecs then downlink codecs.
 
-Last line: ``RESULT secagg_bytes_ratio=... sealed_bytes_ratio=... max_accuracy_drop_pts=...``
+The RESULT line covers the uplink codecs (the issue's targets); the downlink rows print their own
+worst drop. Last line: ``RESULT secagg_bytes_ratio=... sealed_bytes_ratio=... max_accuracy_drop_pts=...``
 """
 
 from __future__ import annotations
@@ -19,11 +24,14 @@ import time
 from pathlib import Path
 
 import numpy as np
+from flwr.app import RecordDict
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._fedsim import run_fedavg  # noqa: E402
 from federation.codecs import RoundContext, UpdateSpec, parse_codec, shared_indices  # noqa: E402
+from federation.downlink import DIGEST_KEY, RECORD, DownlinkSender, reconstruct  # noqa: E402
+from federation.wire import from_records  # noqa: E402
 
 CODECS = [
     "identity",
@@ -44,13 +52,22 @@ CODECS = [
 SECAGG_CODEC = "randk:0.1+int8:clip=0.01"  # clip here matches the synthetic update's scale
 SEALED_CODEC = "topk:0.01+int4"
 
-# (label, codec, sum encoded payloads like SecAgg) for the digits FedAvg run; the clip is
-# config-given and matches the scale of that model's weighted deltas.
+# (label, codec, fedsim options) for the digits FedAvg run; the clip is config-given and matches
+# the scale of that model's deltas.
 ACCURACY_RUNS = [
-    ("int8 + EF", "int8", False),
-    ("top-k 1% + EF", "topk:0.01", False),
-    ("random-k 10% + int8 clip (SecAgg, summed encoded)", "randk:0.1+int8:clip=0.5", True),
-    ("top-k 1% + int4 + EF (sealed headline)", SEALED_CODEC, False),
+    ("int8 + EF", "int8", {}),
+    ("top-k 1% + EF", "topk:0.01", {}),
+    ("random-k 10% + int8 clip (under SecAgg+)", "randk:0.1+int8:clip=0.5", {"secagg": True}),
+    ("top-k 1% + int4 + EF (sealed headline)", SEALED_CODEC, {}),
+]
+DOWNLINK_CODECS = ["identity", "fp16", "int8", "int4", "topk:0.1+int8"]
+DOWNLINK_RUNS = [  # (label, uplink codec or None, fedsim options)
+    ("downlink int8", None, {"downlink": "int8"}),
+    ("downlink int4", None, {"downlink": "int4"}),
+    ("downlink top-k 10% + int8", None, {"downlink": "topk:0.1+int8"}),
+    ("downlink int8, uplink top-k 1% + int4", SEALED_CODEC, {"downlink": "int8"}),
+    ("downlink int4, uplink random-k + int8 under SecAgg+", "randk:0.1+int8:clip=0.5",
+     {"downlink": "int4", "secagg": True}),
 ]
 
 
@@ -99,24 +116,62 @@ def bytes_table(numel: int, sites: list[int], seed: int) -> dict[str, dict]:
     return rows
 
 
+def downlink_table(numel: int, seed: int) -> None:
+    """One model step through the real downlink messages: the site holds the previous model."""
+    model = {k: v * 50 for k, v in synthetic_update(numel, seed).items()}
+    moved = {k: v + d for (k, v), d in zip(model.items(), synthetic_update(numel, seed + 1).values())}
+    print(f"== downlink: one global-model step to a site, {numel:,} parameters ==")
+    print(f"{'downlink codec':42s} {'bytes down':>12s} {'ratio':>8s} {'encode s':>9s} {'site s':>9s}  mode")
+    for spec in DOWNLINK_CODECS:
+        sender = DownlinkSender(spec, seed)
+        first = RecordDict(sender.stage(model, str)(1))
+        held = None
+        if RECORD in first.config_records:  # the site keeps what it rebuilt
+            arrays, digest = reconstruct(from_records(first, "global", RECORD), None)
+            held = (digest, arrays)
+            sender.heard(1, {DIGEST_KEY: digest})
+        sender.round_metrics()
+        t0 = time.perf_counter()
+        rd = RecordDict(sender.stage(moved, str)(1))
+        t1 = time.perf_counter()
+        payload = from_records(rd, "global", RECORD)
+        if held is not None:
+            reconstruct(payload, held)
+        t2 = time.perf_counter()
+        line = sender.round_metrics()
+        print(f"{sender.spec:42s} {line['bytes']['1']:12,d} {line['ratio']:8.1f} {t1 - t0:9.3f} {t2 - t1:9.3f}  "
+              f"{next(iter(line['modes']))}")
+        del sender, first, rd, payload, held
+
+
 def accuracy_table(seed: int) -> float:
     print("== accuracy: FedAvg on sklearn digits, 4 sites, Dirichlet alpha=0.5, 300 rounds ==")
     base = run_fedavg(None, seed=seed)
-    print(f"{'uncompressed float32':52s} acc={100 * base.accuracy:6.2f}%  bytes/site/round={base.mean_site_bytes:8.1f}")
+    print(f"{'uncompressed float32':56s} acc={100 * base.accuracy:6.2f}%  bytes/site/round={base.mean_site_bytes:8.1f}")
     worst = 0.0
-    for label, spec, summed in ACCURACY_RUNS:
-        r = run_fedavg(spec, error_feedback=True, sum_encoded=summed, seed=seed)
+    for label, spec, options in ACCURACY_RUNS:
+        r = run_fedavg(spec, error_feedback=True, seed=seed, **options)
         drop = 100 * (base.accuracy - r.accuracy)
         worst = max(worst, drop)
         wire = r.mean_site_bytes
         note = ""
-        if summed:  # what travels once masked: codes widened so the 4-site sum cannot wrap
+        if options.get("secagg"):  # what travels once masked: codes widened so the 4-site sum cannot wrap
             wire = parse_codec(spec).secagg_wire_nbytes(r.dense_bytes // 4, 4)
             note = f" as masked {parse_codec(spec).secagg_value_bits(4)}-bit ring elements"
         print(
-            f"{label:52s} acc={100 * r.accuracy:6.2f}%  drop={drop:+5.2f} pts  "
+            f"{label:56s} acc={100 * r.accuracy:6.2f}%  drop={drop:+5.2f} pts  "
             f"bytes/site/round={wire:8.1f} (x{r.dense_bytes / wire:.1f}){note}"
         )
+    print(f"-- downlink (bytes down per site per round, all array bytes incl. headers; "
+          f"dense: {base.mean_down_bytes:.1f}) --")
+    worst_down = 0.0
+    for label, spec, options in DOWNLINK_RUNS:
+        r = run_fedavg(spec, error_feedback=True, seed=seed, **options)
+        drop = 100 * (base.accuracy - r.accuracy)
+        worst_down = max(worst_down, drop)
+        print(f"{label:56s} acc={100 * r.accuracy:6.2f}%  drop={drop:+5.2f} pts  "
+              f"down/site/round={r.mean_down_bytes:8.1f} (x{r.down_ratio:.2f} vs dense float32 data)")
+    print(f"downlink: worst drop {worst_down:.2f} pts")
     return worst
 
 
@@ -137,6 +192,7 @@ def main() -> None:
         f"{secagg_codec.secagg_value_bits(worst_n)} bits each for N={worst_n} sites -> x{secagg_ratio:.1f}"
     )
     print(f"Sealed: {rows[SEALED_CODEC]['codec'].spec} (Rice delta-coded indices) -> x{sealed_ratio:.1f}")
+    downlink_table(args.params, args.seed)
     worst_drop = accuracy_table(args.seed)
     print(
         f"RESULT secagg_bytes_ratio={secagg_ratio:.1f} sealed_bytes_ratio={sealed_ratio:.1f} "

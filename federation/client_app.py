@@ -15,12 +15,14 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from crypto.pki import SiteBundle
+from federation import site_attestation
 from federation.codec_stage import CodecStage
 from federation.codecs import CodecStateError
+from federation.downlink import DownlinkError
+from federation.downlink_site import receive_global, trainer_workdir
 from federation.pipeline import Payload, Pipeline, RoundContext
 from federation.protection import SiteProtection
-from federation import site_attestation
-from federation.wire import from_records, to_records
+from federation.wire import to_records
 from site_trainer import endpoint, handoff
 
 app = ClientApp()
@@ -62,10 +64,11 @@ def _take_state(reply: dict) -> dict[str, np.ndarray]:
 
 
 def encode_update(arrays: dict[str, np.ndarray], state: dict[str, np.ndarray], cfg: ConfigRecord,
-                  ctx: RoundContext, bundle: SiteBundle | None = None
+                  ctx: RoundContext, bundle: SiteBundle | None = None, site_seed: int | None = None
                   ) -> tuple[Payload, dict[str, np.ndarray] | None, dict[str, float]]:
     """Run the site's pipeline (codec, then protection: sign, and seal if the round asks) on an
     update. Without a `bundle` the update leaves unsigned (a coordinator with a PKI rejects it).
+    `site_seed` makes stochastic rounding reproducible (simulations); None draws OS entropy.
 
     Returns the wire payload, the codec state to keep for the next round (None: unchanged) and
     metrics for the round's line.
@@ -73,7 +76,7 @@ def encode_update(arrays: dict[str, np.ndarray], state: dict[str, np.ndarray], c
     spec = str(cfg.get("codec", "identity"))
     stages, codec = [], None
     if spec != "identity":
-        codec = CodecStage.from_spec(spec, bool(cfg.get("error_feedback", True)), state=state)
+        codec = CodecStage.from_spec(spec, bool(cfg.get("error_feedback", True)), state=state, site_seed=site_seed)
         stages.append(codec)
     if bundle is not None:
         stages.append(SiteProtection(bundle, seal=bool(cfg.get("seal", False))))
@@ -118,20 +121,22 @@ def _relay(msg: Message, context: Context, method: str) -> Message:
     deadline = float(cfg.get("deadline_s", 300))
     with_state = method == "Train" and str(cfg.get("codec", "identity")) != "identity" and bool(cfg.get("error_feedback", True))
     t0 = time.perf_counter()
-    glob = from_records(msg.content, "global")
-    handle = handoff.write_arrays(glob.arrays, tag=f"{site}-global")
+    try:  # the dense model, or rebuilt from the model this site holds (downlink codec)
+        glob = receive_global(msg.content, site, lambda: trainer_workdir(sock))
+    except DownlinkError as err:
+        return _fail(msg, site, f"site {site}: {err}")
     try:
         reply = endpoint.call(sock, method, {
-            "round": int(cfg.get("round", 0)), "global": handle.to_json(), "config": dict(cfg),
+            "round": int(cfg.get("round", 0)), "global": glob.handle.to_json(), "config": dict(cfg),
             "timeout_s": deadline, "with_state": with_state,
         }, timeout_s=deadline)
     except (endpoint.TrainerUnavailable, endpoint.TrainerError) as err:
         return _fail(msg, site, str(err))
     finally:
-        handoff.release(handle.path)
+        glob.release()
     metrics = {k: float(v) for k, v in reply.get("metrics", {}).items()}
     status = _status(site, True, num_examples=int(reply["num_examples"]),
-                     rank_digests=[str(d) for d in reply.get("rank_digests", [])])
+                     rank_digests=[str(d) for d in reply.get("rank_digests", [])], **glob.status)
     out = RecordDict({"status": status})
     if method == "Train":
         upd = handoff.Handle.from_json(reply["update"])

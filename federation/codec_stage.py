@@ -23,9 +23,10 @@ class CodecStage:
     name = "codec"
 
     def __init__(self, codec: Codec, layout: UpdateSpec | None = None,
-                 state: dict[str, np.ndarray] | None = None):
+                 state: dict[str, np.ndarray] | None = None, site_seed: int | None = None):
         self.codec = codec
         self.layout = layout
+        self.site_seed = site_seed  # reproducible stochastic rounding (simulations); None: OS entropy
         self.state = dict(state or {})
         self.new_state: dict[str, np.ndarray] | None = None
         self.encode_s = 0.0
@@ -38,7 +39,7 @@ class CodecStage:
     def encode(self, payload: Payload, ctx: RoundContext) -> Payload:
         t0 = time.perf_counter()
         update = {k: np.asarray(v, dtype=np.float32) for k, v in payload.arrays.items()}
-        enc, new_state = self.codec.encode(update, self.state, CodecRound(ctx.round, ctx.seed))
+        enc, new_state = self.codec.encode(update, self.state, CodecRound(ctx.round, ctx.seed, self.site_seed))
         self.new_state = new_state if self.codec.error_feedback else None
         self.encode_s = time.perf_counter() - t0
         meta = {**payload.meta, **{_META_PREFIX + k: v for k, v in enc.meta.items()}}

@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from crypto.secagg import SecAggConfig
 from federation.attestation_config import AttestationConfig
-from federation.codecs import CodecError, validate_for_protection
+from federation.codecs import CodecError, parse_codec_config, validate_for_protection
 from site_trainer.config import SiteConfig, StrictModel, WorkloadConfig
 
 
@@ -50,6 +50,17 @@ class FederationConfig(StrictModel):
     secagg: SecAggConfig = SecAggConfig(enabled=False)
     seal: bool = Field(False, description="seal every update to the coordinator's (attested) key")
     attestation: AttestationConfig = AttestationConfig()
+    downlink_codec: str = Field("identity", description="codec of the global model sent to sites, e.g. 'int8' "
+                                "(federation/downlink.py); any codec, also with secagg; identity: dense")
+
+    @field_validator("downlink_codec")
+    @classmethod
+    def _downlink_codec_parses(cls, spec: str) -> str:
+        try:
+            parse_codec_config(spec)
+        except CodecError as err:
+            raise ValueError(str(err)) from None
+        return spec
 
     @property
     def protection(self) -> str:

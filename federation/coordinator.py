@@ -27,10 +27,10 @@ from federation.checkpoint import save_checkpoint
 from federation.codec_stage import CodecStage, round_seed
 from federation.codecs import UpdateSpec
 from federation.config import ExperimentConfig
-from federation.pipeline import Payload, Pipeline
+from federation.downlink import DownlinkSender
+from federation.pipeline import Pipeline
 from federation.protection import CoordinatorProtection
 from federation.rounds import PlainRound, RoundProtocol
-from federation.wire import to_records
 
 log = logging.getLogger("sovfl.coordinator")
 POLL_S = 0.2
@@ -84,6 +84,7 @@ class Coordinator:
             self.admission = Admission(self.fed.attestation.coordinator, bundle, self.fed.attestation.stage_s)
         self.sites: dict[int, Site] = {}
         self.rejections: dict[str, int] = {}
+        self.downlink = DownlinkSender(self.fed.downlink_codec, self.fed.seed)
         self._progress = progress or (lambda line: log.info(line))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.workdir / "metrics.jsonl"
@@ -131,6 +132,7 @@ class Coordinator:
                     if status is None or not status.get("ok", False):
                         result.failed[name] = f"site_error: {status.get('error') if status else 'no status in reply'}"
                         continue
+                    self.downlink.heard(node, status)
                     if on_reply is None:
                         result.ok[name] = reply
                     else:
@@ -193,10 +195,11 @@ class Coordinator:
         })
 
     def model_message(self, rnd: int, deadline_s: float) -> Callable[[int], RecordDict]:
-        """The global model is serialized once per stage and shared by every site's message."""
-        model = to_records(Payload(self.model), "global").array_records["global"]
+        """The global model (with a downlink codec: the encoded steps from the model each site holds,
+        federation/downlink.py), serialized once per stage and content and shared by the messages."""
+        records = self.downlink.stage(self.model, self.site_name)
         config = self._round_config(rnd, deadline_s)
-        return lambda node: RecordDict({"global": model, "config": config})
+        return lambda node: RecordDict({**records(node), "config": config})
 
     def update_pipeline(self) -> Pipeline:
         """The coordinator's side of the update pipeline, fresh per round (stages keep timings)."""
@@ -278,6 +281,7 @@ class Coordinator:
             line = self.train_round(rnd)
             if self.fed.evaluate:
                 line.update(self.evaluate_round(rnd))
+            line["downlink"] = self.downlink.round_metrics()
             line["round_s"] = time.monotonic() - t0
             with self.metrics_path.open("a") as f:
                 f.write(json.dumps(line) + "\n")

@@ -79,6 +79,7 @@ class TrainerService:
         return {
             "ok": True,
             "site": self.cfg.site.id,
+            "workdir": self.cfg.workdir,  # the relay keeps the downlink reference model there
             "ranks": self.world,
             "num_examples": int(len(self.trainer.data.train_y)),
             "num_val_examples": int(len(self.trainer.data.val_y)),

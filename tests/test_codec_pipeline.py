@@ -54,10 +54,13 @@ def test_malformed_encoded_update_is_rejected_with_reason(corrupt, reason):
 
 
 @pytest.mark.e2e
-def test_federation_with_topk_and_error_feedback(tmp_path, marker):
-    cfg = {"federation": {"name": "topk", "rounds": 2, "quorum": 2, "codec": "topk:0.05+int8", "evaluate": False},
+def test_federation_with_topk_uplink_and_int8_downlink(tmp_path, marker):
+    """Top-k + int8 with error feedback up, int8 global-model steps down: both shrink the bytes the
+    real messages carry, every site ends up holding the same model, and the model trains."""
+    cfg = {"federation": {"name": "topk", "rounds": 2, "quorum": 2, "codec": "topk:0.05+int8",
+                          "downlink_codec": "int8"},
            "workload": {"name": "digits", "hidden": 32},
-           "sites": [{"id": n, "ranks": 1, "partition": i, "local_steps": 5, "batch_size": 16}
+           "sites": [{"id": n, "ranks": 1, "partition": i, "local_steps": 20, "batch_size": 16, "lr": 0.3}
                      for i, n in enumerate(["a", "b"])]}
     path = write_config(tmp_path / "topk.yaml", cfg)
     run = tmp_path / "run"
@@ -72,4 +75,16 @@ def test_federation_with_topk_and_error_feedback(tmp_path, marker):
     # the residual came back from the trainer service in round 2 (error feedback across rounds)
     assert [s["state_arrays_in"] for s in lines[0]["sites"].values()] == [0, 0]
     assert all(s["state_arrays_in"] > 0 for s in lines[1]["sites"].values())
+    # downlink: round 1 trains on the full model and evaluates an int8 step; round 2 trains on the
+    # model the sites already hold (nothing sent) and evaluates the next step
+    dense = lines[0]["sites"]["a"]["dense_bytes"]
+    r1, r2 = (line["downlink"] for line in lines)
+    assert r1["modes"] == {"full": 2, "steps": 2} and r2["modes"] == {"hold": 2, "steps": 2}
+    assert lines[0]["bytes_down"] >= 2 * dense and lines[1]["bytes_down"] == 0  # train stage
+    assert all(b * 3 < dense for b in r2["bytes"].values()) and r2["ratio"] > 6  # vs 2 dense messages
+    refs = [json.loads((run / "sites" / s / "downlink" / "reference.json").read_text()) for s in ("a", "b")]
+    assert refs[0]["digest"] == refs[1]["digest"]
+    # the model trains: the sites' evaluation of the model they rebuilt improves round over round
+    assert lines[1]["eval_loss"] < lines[0]["eval_loss"] - 0.05
+    assert lines[1]["eval_accuracy"] > 0.2  # twice chance after two short rounds
     assert live_marked(marker) == []

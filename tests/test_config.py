@@ -49,6 +49,8 @@ BAD = [
     ("zero lr", _with(["sites", 0, "lr"], 0), "sites.0.lr", "greater than 0"),
     ("bad site id", _with(["sites", 0, "id"], "a b"), "sites.0.id", "pattern"),
     ("bad workload", _with(["workload", "name"], "imagenet"), "workload.name", "digits"),
+    ("bad downlink codec", _with(["federation", "downlink_codec"], "int9"), "federation.downlink_codec",
+     "unknown codec stage 'int9'"),
     ("heads", _with(["workload"], {"name": "slm", "n_embd": 30, "n_head": 4}), "divisible by n_head", ""),
     ("attestation without verifiers", _with(["federation", "attestation"], {"enabled": True}),
      "coordinator.sites.verifiers is empty", "dev_issuer"),

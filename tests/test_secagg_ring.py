@@ -98,6 +98,16 @@ def test_extreme_inputs_do_not_wrap() -> None:
     assert np.allclose(dec, [2, 2, 2, -2, -2], atol=codec.error_bound(n, n * w))
 
 
+def test_float32_inputs_at_the_clip_bound_do_not_wrap() -> None:
+    """32-bit ring, weight * levels ~ 5e8: x * scale must be formed in float64 (in float32, -clip
+    rounds below -half and the word wraps to ~2^32)."""
+    codec = FixedPointCodec.for_round(0.5, 32, 1000, 4)
+    x = np.array([-0.5, 0.5, -0.5, 0.25], np.float32)  # in range: encoded without the clip pass
+    enc = codec.encode(x, 506, np.random.default_rng(0))
+    assert int(enc[:-1].max()) <= 506 * codec.levels
+    assert np.allclose(codec.decode(enc), x, atol=codec.error_bound(1, 506))
+
+
 def test_stochastic_rounding_is_unbiased() -> None:
     codec = FixedPointCodec.for_round(1.0, 8, 1, 1)  # coarse grid: 255 levels
     x = np.full(20000, 0.3217, np.float32)

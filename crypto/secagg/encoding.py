@@ -105,7 +105,7 @@ class FixedPointCodec:
         t, u = scratch[:n], uscratch[:n]
         scale = weight * self.levels / (2.0 * self.clip)
         half = weight * self.levels / 2.0  # clip * scale
-        np.multiply(x, scale, out=t)
+        np.multiply(x, scale, out=t, dtype=np.float64)  # a float32 product would round w*L*x by several units
         if clip:
             np.clip(t, -half, half, out=t)  # +-inf clip too
         np.multiply(noise, 2.0 ** (-8 * noise.dtype.itemsize), out=u)
