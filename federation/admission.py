@@ -97,8 +97,8 @@ class Admission:
         for name, reason in res.failed.items():
             out.exclude(name, "no_evidence", reason)
         answers: dict[int, str] = {}
+        pending: dict[str, dt.datetime] = {}  # site -> its result, until the site has appraised us
         for name, reply in res.ok.items():
-            node = reply.metadata.src_node_id
             status = reply.content.config_records["status"]
             try:
                 result = self.gate.admit(name, Evidence.model_validate_json(str(status["evidence"])),
@@ -109,25 +109,35 @@ class Admission:
             except (KeyError, ValueError) as err:
                 out.exclude(name, "malformed_evidence", f"attestation failed: {err}")
                 continue
-            self.until[name] = result.expires_at
             challenge = status.get("challenge")
-            if challenge:
-                if self.attester is None:
-                    out.exclude(name, "coordinator_not_attested", "the site verifies the coordinator but "
-                                "federation.attestation.coordinator.attester is unset")
-                    continue
-                answers[node] = self.attester.attest(unb64url(str(challenge)), self.seal_public).model_dump_json()
+            if not challenge:  # this site does not appraise the coordinator
+                self.until[name] = result.expires_at
+                continue
+            if self.attester is None:
+                out.exclude(name, "coordinator_not_attested", "the site verifies the coordinator but "
+                            "federation.attestation.coordinator.attester is unset")
+                continue
+            try:
+                answers[reply.metadata.src_node_id] = self.attester.attest(
+                    unb64url(str(challenge)), self.seal_public).model_dump_json()
+            except Exception as err:  # a TEE plug-in failing must not end the round
+                out.exclude(name, "coordinator_attester_failed", f"{type(err).__name__}: {err}")
+                continue
+            pending[name] = result.expires_at
         if not answers:
             return
         res = coord.exchange(list(answers), "query", lambda n: RecordDict({"attest": ConfigRecord(
             {"step": "coordinator", "evidence": answers[n], "round": rnd})}), self.stage_s)
         for name, reason in res.failed.items():
-            self.until.pop(name, None)
             out.exclude(name, "site_refused_coordinator", reason)
         for name, reply in res.ok.items():
-            trusted = dt.datetime.fromtimestamp(float(reply.content.config_records["status"]["trusted_until"]),
-                                                dt.timezone.utc)
-            self.until[name] = min(self.until[name], trusted)
+            try:
+                trusted = dt.datetime.fromtimestamp(float(reply.content.config_records["status"]["trusted_until"]),
+                                                    dt.timezone.utc)
+            except (KeyError, TypeError, ValueError, OverflowError) as err:
+                out.exclude(name, "site_refused_coordinator", f"the site's answer has no usable trusted_until: {err}")
+                continue
+            self.until[name] = min(pending[name], trusted)
 
     def _site_key(self, name: str) -> bytes:
         rec = self.trust.lookup(name)

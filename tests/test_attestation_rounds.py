@@ -1,12 +1,14 @@
-"""The site's half of attested rounds (federation.site_attestation and the ClientApp's train gate),
-in-process with real provisioned keys, real tokens from a local test issuer and Flower's own
-Context and Message types. The end-to-end run is tests/test_e2e_attestation.py."""
+"""Attested rounds in process: the site's half (federation.site_attestation and the ClientApp's
+train gate) and the coordinator's admission (federation.admission) talking to real ClientApp
+handlers through Flower's own message and context serialization, with real provisioned keys and
+real tokens from a local test issuer. The end-to-end run is tests/test_e2e_attestation.py."""
 
 from __future__ import annotations
 
 import json
 import time
 
+import numpy as np
 import pytest
 from cryptography.hazmat.primitives.asymmetric import x25519
 from flwr.app import ConfigRecord, Context, Message, RecordDict
@@ -20,6 +22,10 @@ from crypto.pki import CoordinatorBundle, SiteBundle, provision
 from crypto.pki.keys import raw_public
 from federation import client_app, site_attestation
 from federation.attestation_config import AttestationConfig, resolve
+from federation.config import parse_config
+from federation.coordinator import Coordinator
+from federation.coordinator import Site as CoordSite
+from test_secagg_workflow import FakeGrid
 
 
 @pytest.fixture(autouse=True)
@@ -33,7 +39,7 @@ def _task_identity():
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("att")
-    provision(root / "pki", ["a"])
+    provision(root / "pki", ["a", "b"])
     att = resolve(AttestationConfig(enabled=True, dev_issuer=True), root / "issuer", create=True)
     settings = root / "a.json"
     settings.write_text(att.for_site("a").model_dump_json())
@@ -46,18 +52,22 @@ class Site:
     """A SuperNode's view: node config, and a context state that survives between messages as
     Flower keeps it (through protobuf), one ClientApp process per message."""
 
-    def __init__(self, world, settings=None):
-        cfg = {"site-id": "a", "trainer-socket": str(world["root"] / "no-trainer.sock"),
-               "bundle-dir": str(world["root"] / "pki" / "sites" / "a"),
+    def __init__(self, world, settings=None, name: str = "a", node_id: int = 1):
+        self.name, self.node_id = name, node_id
+        cfg = {"site-id": name, "trainer-socket": str(world["root"] / "no-trainer.sock"),
+               "bundle-dir": str(world["root"] / "pki" / "sites" / name),
                "attestation-config": str(settings or world["settings"])}
-        self.ctx = context_to_proto(Context(run_id=7, node_id=1, node_config=cfg, state=RecordDict(), run_config={}))
+        self.ctx = context_to_proto(Context(run_id=7, node_id=node_id, node_config=cfg, state=RecordDict(),
+                                            run_config={}))
 
-    def send(self, kind: str, content: RecordDict) -> ConfigRecord:
+    def handle(self, msg: Message) -> Message:  # for test_secagg_workflow.FakeGrid
         ctx = context_from_proto(self.ctx)
-        msg = Message(content, dst_node_id=1, message_type=kind)
         reply = client_app.app(msg, ctx)
         self.ctx = context_to_proto(ctx)
-        return reply.content.config_records["status"]
+        return reply
+
+    def send(self, kind: str, content: RecordDict) -> ConfigRecord:
+        return self.handle(Message(content, dst_node_id=self.node_id, message_type=kind)).content.config_records["status"]
 
     def attest(self, nonce: str) -> ConfigRecord:
         return self.send("query", RecordDict({"attest": ConfigRecord({"step": "evidence", "nonce": nonce})}))
@@ -153,3 +163,45 @@ def test_a_site_without_attestation_settings_says_how_to_add_them(world, tmp_pat
     broken.write_text(json.dumps({"attester": {"kind": "local-token"}, "verify_coordinator": True}))
     status = Site(world, broken).attest("AA")
     assert not status["ok"] and "verifiers" in status["error"]
+
+
+def admission_run(world, tmp_path, **fed):
+    """A real Coordinator with attestation on, its sites reached through an in-process grid."""
+    cfg = parse_config({"federation": {"name": "unit", "attestation": {"enabled": True, "dev_issuer": True,
+                                                                       "stage_s": 5}, **fed},
+                        "sites": [{"id": "a", "partition": 0}, {"id": "b", "partition": 1}]})
+    att = resolve(cfg.federation.attestation, world["root"] / "issuer")
+    cfg = cfg.model_copy(update={"federation": cfg.federation.model_copy(update={"attestation": att})})
+    sites = [Site(world, name=n, node_id=i + 10) for i, n in enumerate("ab")]
+    log: list[str] = []
+    coord = Coordinator(FakeGrid(sites), cfg, tmp_path / "coord", 7, {"w": np.zeros(3, np.float32)}, log.append,
+                        world["coord"])
+    coord.sites = {s.node_id: CoordSite(s.node_id, s.name, 10) for s in sites}
+    return coord, [s.node_id for s in sites], log
+
+
+def test_admission_revoked_site_and_reattestation(world, tmp_path):
+    coord, nodes, log = admission_run(world, tmp_path)
+    coord.admission.trust.revoke("b")
+    out = coord.admission.run(coord, 1, nodes, horizon_s=60)
+    assert out.admitted == [nodes[0]] and out.attested == ["a", "b"]
+    assert out.codes == {"b": "revoked_site"} and coord.rejections == {"attestation:revoked_site": 1}
+    assert any("site b NOT ADMITTED: revoked_site" in line for line in log)
+    assert coord.admission.admitted("a") and not coord.admission.admitted("b")
+    again = coord.admission.run(coord, 2, nodes[:1], horizon_s=60)  # still valid: no new exchange
+    assert again.admitted == nodes[:1] and again.attested == []
+    lapsing = coord.admission.run(coord, 3, nodes[:1], horizon_s=10_000)  # would lapse mid-round: re-attested
+    assert lapsing.admitted == nodes[:1] and lapsing.attested == ["a"]
+
+
+def test_a_failing_coordinator_attester_excludes_sites_without_ending_the_round(world, tmp_path, monkeypatch):
+    coord, nodes, log = admission_run(world, tmp_path)
+
+    def broken(nonce, key):
+        raise RuntimeError("TEE report device busy")
+
+    monkeypatch.setattr(coord.admission.attester, "attest", broken)
+    out = coord.admission.run(coord, 1, nodes, horizon_s=60)
+    assert out.admitted == [] and set(out.codes.values()) == {"coordinator_attester_failed"}
+    assert "TEE report device busy" in out.excluded["a"]
+    assert coord.rejections == {"attestation:coordinator_attester_failed": 2}
