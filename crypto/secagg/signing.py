@@ -40,7 +40,7 @@ class SignatureRejected(SecAggMessageError):
 
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
-        self.reason = reason
+        self.reason, self.detail = reason, detail
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,9 @@ def check_relayed_adverts(request: bytes, relayed: bytes, *, trust: KeyLookup, f
             name = verify(Signature(*raw) if raw else None, wire.encode_advert(ctx, a), trust=trust,
                           federation_id=federation_id, ctx=ctx, stage=1)
         except SignatureRejected as err:
-            raise SignatureRejected(err.reason, f"the keys relayed for neighbour {a.client}: {err}") from None
+            hint = (" (a site this bundle's registry does not know: re-run `sovfl provision` and give every site its "
+                    "refreshed bundle)" if err.reason == "secagg_unknown_site" else "")
+            raise SignatureRejected(err.reason, f"the keys relayed for neighbour {a.client}: {err.detail}{hint}") from None
         if name == own_site or name in names.values():
             raise SignatureRejected("secagg_wrong_site", f"the keys relayed for neighbour {a.client} are signed by "
                                     f"{name!r}, which signed another advert of this round")
