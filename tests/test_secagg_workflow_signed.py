@@ -62,22 +62,18 @@ def _unsigned(site_name: str, pki: Path):
     return tamper
 
 
-def _signed_by_another_key(site_name: str, pki: Path):
-    other = SiteBundle.load(pki / "sites" / "e")
+def _signed_by_e(claim_sender: bool):
+    """Site e's key signs the sender's advert: naming the sender (a forged signature) or naming e
+    (a valid signature, but by another site)."""
+    def forge(site_name: str, pki: Path):
+        other = SiteBundle.load(pki / "sites" / "e")
 
-    def tamper(rec, ctx):  # a header naming the sender, signed with another site's key
-        sig = sign(other.sign_key, other.federation_id, site_name, ctx, 1, bytes(rec["data"]))
-        rec["sig_header"], rec["sig"] = sig.header, sig.signature
-    return tamper
-
-
-def _signed_as_another_site(site_name: str, pki: Path):
-    other = SiteBundle.load(pki / "sites" / "e")
-
-    def tamper(rec, ctx):  # a valid signature, but by (and naming) another site
-        sig = sign(other.sign_key, other.federation_id, other.name, ctx, 1, bytes(rec["data"]))
-        rec["sig_header"], rec["sig"] = sig.header, sig.signature
-    return tamper
+        def tamper(rec, ctx):
+            sig = sign(other.sign_key, other.federation_id, site_name if claim_sender else other.name, ctx, 1,
+                       bytes(rec["data"]))
+            rec["sig_header"], rec["sig"] = sig.header, sig.signature
+        return tamper
+    return forge
 
 
 def capture_context(grid) -> dict:
@@ -95,9 +91,9 @@ def capture_context(grid) -> dict:
 
 @pytest.mark.parametrize("forge,reason", [
     (_unsigned, "secagg_unsigned"),
-    (_signed_by_another_key, "secagg_bad_signature"),
-    (_signed_as_another_site, "secagg_wrong_site"),
-])
+    (_signed_by_e(claim_sender=True), "secagg_bad_signature"),
+    (_signed_by_e(claim_sender=False), "secagg_wrong_site"),
+], ids=["unsigned", "forged", "another-site"])
 def test_forged_or_unsigned_advert_is_rejected(tmp_path, pki, forge, reason):
     coord, grid, dumps, sites = signed_run(tmp_path, pki)
     contexts = capture_context(grid)
@@ -136,11 +132,16 @@ def test_tampered_masked_chunk_is_rejected(tmp_path, pki):
     check_exact(coord, line, 1, dumps, list("acde"))
 
 
-def _swap_keys(req: bytes, relayed: bytes, ctx, me: int, victim: int, coord_bundle) -> tuple[bytes, bytes]:
+def _with_fake_keys(req: bytes, ctx, me: int, victim: int) -> tuple[bytes, wire.Advert]:
+    """The share-keys request with the victim's keys replaced by fresh ones (the coordinator's)."""
     roster, adverts = wire.decode_share_keys_request(ctx, req, me)
-    fake = KeyPair.generate(), KeyPair.generate()
-    adverts = [wire.Advert(a.client, fake[0].public, fake[1].public) if a.client == victim else a for a in adverts]
-    return wire.encode_share_keys_request(ctx, me, roster, adverts), relayed
+    fake = wire.Advert(victim, KeyPair.generate().public, KeyPair.generate().public)
+    adverts = [fake if a.client == victim else a for a in adverts]
+    return wire.encode_share_keys_request(ctx, me, roster, adverts), fake
+
+
+def _swap_keys(req: bytes, relayed: bytes, ctx, me: int, victim: int, coord_bundle) -> tuple[bytes, bytes]:
+    return _with_fake_keys(req, ctx, me, victim)[0], relayed  # the victim's own signature stays
 
 
 def _drop_signature(req, relayed, ctx, me, victim, coord_bundle):
@@ -151,21 +152,18 @@ def _drop_signature(req, relayed, ctx, me, victim, coord_bundle):
 
 def _coordinator_signs_own_keys(req, relayed, ctx, me, victim, coord_bundle):
     """Keys the coordinator controls, vouched for with its own (registered) signing key."""
-    roster, adverts = wire.decode_share_keys_request(ctx, req, me)
-    fake = KeyPair.generate(), KeyPair.generate()
-    adverts = [wire.Advert(a.client, fake[0].public, fake[1].public) if a.client == victim else a for a in adverts]
-    forged = next(a for a in adverts if a.client == victim)
-    sig = sign(coord_bundle.sign_key, coord_bundle.federation_id, coord_bundle.name, ctx, 1, wire.encode_advert(ctx, forged))
+    req, fake = _with_fake_keys(req, ctx, me, victim)
+    sig = sign(coord_bundle.sign_key, coord_bundle.federation_id, coord_bundle.name, ctx, 1, wire.encode_advert(ctx, fake))
     sigs = wire.decode_advert_signatures(ctx, relayed, me)
     sigs[victim] = (sig.header, sig.signature)
-    return wire.encode_share_keys_request(ctx, me, roster, adverts), wire.encode_advert_signatures(ctx, me, sigs)
+    return req, wire.encode_advert_signatures(ctx, me, sigs)
 
 
 @pytest.mark.parametrize("substitute,reason", [
     (_swap_keys, "secagg_digest_mismatch"),
     (_drop_signature, "secagg_unsigned"),
     (_coordinator_signs_own_keys, "secagg_not_a_site"),
-])
+], ids=["swapped", "signature-dropped", "coordinator-signed"])
 def test_site_refuses_a_substituted_relayed_key(tmp_path, pki, substitute, reason):
     """A malicious coordinator replaces neighbour c's keys in what it relays to site a."""
     coord, grid, dumps, sites = signed_run(tmp_path, pki)

@@ -102,17 +102,15 @@ class FixedPointCodec:
             out[:] = 0
             return
         s = top / (2.0 * self.clip) * 65536.0
-        np.copyto(t, x)  # then scale in float64: x * s in float32 would round w*L*x/2c to 24 bits
-        np.multiply(t, s, out=t)
-        if self._checkable:
-            self._round_into(t, noise, top, out)
-            if int(out.max()) <= top:
-                return
-            np.copyto(t, x)
+        for clip in (False, True) if self._checkable else (True,):
+            np.copyto(t, x)  # then scale in float64: x * s in float32 would round w*L*x/2c to 24 bits
             np.multiply(t, s, out=t)
-        _reject_nan(x)
-        np.clip(t, -top * 32768.0, top * 32768.0, out=t)  # +-inf clip too
-        self._round_into(t, noise, top, out)
+            if clip:
+                _reject_nan(x)
+                np.clip(t, -top * 32768.0, top * 32768.0, out=t)  # +-inf clip too
+            self._round_into(t, noise, top, out)
+            if clip or int(out.max()) <= top:
+                return
 
     @property
     def _checkable(self) -> bool:
