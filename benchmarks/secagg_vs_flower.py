@@ -13,7 +13,11 @@ Timings are the best of --repeat runs (default 5), Flower's and ours interleaved
 the machine's cores are shared with other work, the minimum is the least disturbed run, and
 interleaving exposes both sides to the same load.
 - per-client masking seconds: Flower `_collect_masked_vectors` (decrypt shares, quantise, mask,
-  serialise); ours `masked_input` (decrypt shares, encode, mask) plus `tobytes()` of every chunk.
+  serialise); ours `masked_input` (decrypt shares, encode, mask) plus `tobytes()` of every chunk
+  (the one copy our site makes too, into the Flower Array of each chunk: the library writes all
+  chunks into one reused buffer).
+- what our signatures add (not in the ratio: Flower signs nothing): the site's stage-3 signature
+  (SHA-256 manifest of the chunks + Ed25519) and the coordinator's check of it, per client.
 - server unmask seconds: from the summed masked vector and the collected shares to the float
   average (Flower: the arithmetic of `unmask_stage`; ours: `finish()` + `decode()`).
 - server accumulate seconds: adding the uploads (reported, not part of the unmask ratio).
@@ -35,6 +39,7 @@ import os
 import random
 import resource
 import sys
+import tempfile
 import time
 import tracemalloc
 from collections.abc import Callable
@@ -46,7 +51,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
-from crypto.secagg import SecAggClient, SecAggConfig, SecAggServer, new_context  # noqa: E402
+from crypto.pki import CoordinatorBundle, SiteBundle, provision  # noqa: E402
+from crypto.secagg import ChunkManifest, SecAggClient, SecAggConfig, SecAggServer, new_context  # noqa: E402
+from crypto.secagg.signing import sign, verify  # noqa: E402
 
 CLIP = 8.0  # Flower's default clipping_range
 MAX_WEIGHT = 1000  # Flower's default max_weight
@@ -221,6 +228,28 @@ class OursRun:
         self.snapshots[i] = client.to_state()
         return dt, out
 
+    def signature_seconds(self, pki: Path, chunks: list[tuple[int, bytes]]) -> tuple[float, float]:
+        """Seconds to sign one client's masked input as our site does, and to verify it as our
+        coordinator does (provisioned keys, a fresh replay guard so that it can be repeated)."""
+        from crypto.envelope import ReplayGuard
+
+        site, coord = SiteBundle.load(pki / "sites" / "s0"), CoordinatorBundle.load(pki / "coordinator")
+        trust = coord.trust()
+
+        def manifest() -> bytes:
+            m = ChunkManifest()
+            for off, b in chunks:
+                m.add(off, np.frombuffer(b, dtype=np.uint32))
+            return m.encode()
+
+        t = time.perf_counter()
+        sig = sign(site.sign_key, site.federation_id, site.name, self.ctx, 3, manifest())
+        signed = time.perf_counter() - t
+        t = time.perf_counter()
+        verify(sig, manifest(), trust=trust, federation_id=coord.federation_id, ctx=self.ctx, stage=3,
+               site=site.name, replay=ReplayGuard())
+        return signed, time.perf_counter() - t
+
     def server_phase(self, uploads: dict[int, list[tuple[int, bytes]]], timings: dict[str, float]) -> np.ndarray:
         srv = copy.deepcopy(self.server_after_stage2)
         t = time.perf_counter()
@@ -305,6 +334,12 @@ def main() -> None:
           f"ours mean {np.mean(our_mask):.3f} (min {min(our_mask):.3f}, max {max(our_mask):.3f})")
     print(f"upload bytes per parameter: flower {fl_bpp:.6f} (int64, one blob); ours {our_bpp:.6f} "
           f"(uint32 + one weight word, chunks of {our_chunk} bytes)")
+    with tempfile.TemporaryDirectory() as tmp:
+        provision(tmp, ["s0"])
+        sig_s = [ours.signature_seconds(Path(tmp), our_uploads[ids[0]]) for _ in range(args.repeat)]
+    print(f"our signatures (not in the ratio; Flower signs nothing): site signs its masked input in "
+          f"{min(s for s, _ in sig_s):.3f} s, coordinator verifies it in {min(v for _, v in sig_s):.3f} s; "
+          f"ours masked and signed {np.mean(our_mask) + min(s for s, _ in sig_s):.3f} s per client")
 
     unmask_ratios, mem_ratios = [], []
     for label, active in [("no dropout", ids), ("1 dropout", [i for i in ids if i != dropped])]:

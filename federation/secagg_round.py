@@ -19,6 +19,15 @@ Every request ConfigRecord "secagg" holds: stage, round, run (the SecAgg round c
 stage 2 on, request (the crypto library's request bytes). Replies echo stage, round and ctx (the
 SHA-256 of the round context); a reply for another stage, round or run is rejected.
 
+Signatures (crypto.secagg.signing): every reply carries sig_header and sig, the site's Ed25519
+signature over its content (stage 3: the manifest of its chunks) bound to federation, run, round,
+stage and site. With a coordinator bundle each is verified against the site's registered key and
+the run's replay guard; a missing or bad signature rejects the message (counted under its own
+reason, e.g. secagg_unsigned, secagg_bad_signature, secagg_digest_mismatch), and the site counts
+as dropped in that stage. The stage-2 request adds relayed: the neighbours' advert signatures, so
+that each site checks that no key was substituted. Without a bundle (insecure development runs)
+signatures are relayed but not checked here.
+
 Identities: a site's SecAgg client id is its Flower node id (unsigned 64-bit). The coordinator takes
 it from the node a message was addressed to, which the SuperLink authenticates as the replying
 node; the site takes it from `context.node_id`. Nothing the site writes names its own id.
@@ -70,6 +79,8 @@ from crypto.secagg import (
     new_context,
 )
 from crypto.secagg import RoundContext as SecAggContext
+from crypto.secagg import wire
+from crypto.secagg.signing import ChunkManifest, Signature, verify
 from federation.codecs import UpdateSpec, parse_codec
 from federation.codecs import RoundContext as CodecRound
 from federation.pipeline import UpdateRejected, check_update
@@ -98,6 +109,9 @@ def request_record(stage: int, ctx: SecAggContext, config_json: str, request: by
 
 def rejection_reason(err: Exception) -> str:
     """Short stable code for `Coordinator.count_rejection`."""
+    reason = getattr(err, "reason", None)  # SignatureRejected
+    if isinstance(reason, str):
+        return reason
     for cls, code in ((ReplayedMessageError, "secagg_replayed"), (TamperedMessageError, "secagg_tampered"),
                       (MalformedMessageError, "secagg_malformed"), (ProtocolViolationError, "secagg_protocol")):
         if isinstance(err, cls):
@@ -135,6 +149,40 @@ def reply_bytes(rec: ConfigRecord) -> bytes:
     if not isinstance(data, bytes):
         raise MalformedMessageError("reply record has no 'data' bytes")
     return data
+
+
+def signature_of(rec: ConfigRecord) -> Signature | None:
+    """The reply's signature fields, None when it has none."""
+    header, sig = rec.get("sig_header"), rec.get("sig")
+    if header is None and sig is None:
+        return None
+    if not isinstance(header, bytes) or not isinstance(sig, bytes):
+        raise MalformedMessageError("reply signature fields sig_header / sig are not bytes")
+    return Signature(header, sig)
+
+
+class RoundSignatures:
+    """The coordinator's side of signed SecAgg messages for one round (see the module docstring)."""
+
+    def __init__(self, coord: "Coordinator", ctx: SecAggContext, names: dict[int, str]):
+        bundle = coord.bundle
+        self.trust = bundle.trust() if bundle is not None else None  # None: insecure, not checked
+        self.federation_id = bundle.federation_id if bundle is not None else ""
+        self.replay, self.ctx, self.names = coord.replay, ctx, names
+        self.adverts: dict[int, Signature] = {}
+
+    def check(self, stage: int, node: int, rec: ConfigRecord, content: bytes) -> Signature | None:
+        """The reply's signature, verified as node's stage message; SecAggMessageError if bad."""
+        sig = signature_of(rec)
+        if self.trust is not None:
+            verify(sig, content, trust=self.trust, federation_id=self.federation_id, ctx=self.ctx, stage=stage,
+                   site=self.names[node], replay=self.replay)
+        return sig
+
+    def relayed(self, node: int, neighbours: Iterable[int]) -> bytes:
+        """The neighbours' advert signatures for node's stage-2 request."""
+        sigs = {v: (self.adverts[v].header, self.adverts[v].signature) for v in sorted(neighbours) if v in self.adverts}
+        return wire.encode_advert_signatures(self.ctx, node, sigs)
 
 
 def parse_chunks(reply: Message, length: int, bits: int) -> list[tuple[int, np.ndarray]]:
@@ -245,12 +293,15 @@ class SecAggRound:
         m, dense = self._layout(coord, rnd)
         server = SecAggServer(cfg, ctx, vector_len=m, sampled=nodes)
         stage_s = self.stage_s(coord)
+        sigs = RoundSignatures(coord, ctx, names)
 
-        def stage_exchange(stage: int, targets: list[int], requests: dict[int, bytes]):
+        def stage_exchange(stage: int, targets: list[int], requests: dict[int, bytes],
+                           extra: dict[int, dict] | None = None) -> dict[int, tuple[bytes, Signature | None]]:
             t0 = time.monotonic()
             info["stage"] = stage
             res = coord.exchange(targets, "query", lambda n: RecordDict({
-                RECORD: request_record(stage, ctx, self.config_json, requests.get(n, b""))}), stage_s)
+                RECORD: request_record(stage, ctx, self.config_json, requests.get(n, b""), **(extra or {}).get(n, {}))}),
+                stage_s)
             out.bytes_down += res.bytes_down
             out.failed.update({k: f"stage {stage} ({STAGE_NAMES[stage]}): {v}" for k, v in res.failed.items()})
             replies = {}
@@ -260,18 +311,23 @@ class SecAggRound:
                 try:
                     if node not in targets:
                         raise ProtocolViolationError(f"reply from node {node}, which was not asked")
-                    replies[node] = reply_bytes(check_reply(reply, stage, ctx))
+                    rec = check_reply(reply, stage, ctx)
+                    data = reply_bytes(rec)
+                    replies[node] = (data, sigs.check(stage, node, rec, data))
                 except SecAggMessageError as err:
                     self._reject(coord, out, name, stage, err)
             info["stage_s"][str(stage)] = round(time.monotonic() - t0, 3)
             return replies
 
         # stage 1: advertise keys
-        for node, data in stage_exchange(ADVERTISE, list(nodes), {}).items():
+        for node, (data, sig) in stage_exchange(ADVERTISE, list(nodes), {}).items():
             try:
                 server.receive_advert(node, data)
             except SecAggMessageError as err:
                 self._reject(coord, out, names[node], ADVERTISE, err)
+                continue
+            if sig is not None:
+                sigs.adverts[node] = sig
         roster = server.close_advertise()
         assert server.params is not None
         params = server.params
@@ -281,7 +337,8 @@ class SecAggRound:
 
         # stage 2: share keys
         requests = {n: server.share_keys_request(n) for n in roster}
-        for node, data in stage_exchange(SHARE_KEYS, roster, requests).items():
+        relayed = {n: {"relayed": sigs.relayed(n, server.graph[n])} for n in roster}
+        for node, (data, _) in stage_exchange(SHARE_KEYS, roster, requests, relayed).items():
             try:
                 server.receive_share_keys(node, data)
             except SecAggMessageError as err:
@@ -307,8 +364,12 @@ class SecAggRound:
         def on_masked(name: str, node: int, reply: Message) -> None:
             out.bytes_up += coord.record_bytes(reply.content)
             try:
-                check_reply(reply, MASKED_INPUT, ctx)
+                rec = check_reply(reply, MASKED_INPUT, ctx)
                 chunks = parse_chunks(reply, m + 1, params.codec.bits)
+                manifest = ChunkManifest()
+                for off, words in chunks:
+                    manifest.add(off, words)
+                sigs.check(MASKED_INPUT, node, rec, manifest.encode())
             except SecAggMessageError as err:
                 self._reject(coord, out, name, MASKED_INPUT, err)
                 return
@@ -331,7 +392,7 @@ class SecAggRound:
 
         # stage 4: unmask
         requests = {n: server.unmask_request(n) for n in survivors}
-        for node, data in stage_exchange(UNMASK, survivors, requests).items():
+        for node, (data, _) in stage_exchange(UNMASK, survivors, requests).items():
             try:
                 server.receive_unmask(node, data)
             except SecAggMessageError as err:

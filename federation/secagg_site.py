@@ -15,6 +15,13 @@ order is refused (the SecAgg client itself allows each stage once, in order).
 
 The SecAgg client id is `context.node_id`, the id the SuperLink authenticated this SuperNode as.
 
+Signatures (crypto.secagg.signing): with a provisioned bundle (node config `bundle-dir`, the key
+plain updates are signed with) every reply record carries `sig_header` and `sig`, the site's
+Ed25519 signature over the stage's content (stage 3: the manifest of its masked chunks), and in
+stage 2 the site first checks that each neighbour's relayed keys were signed by that neighbour
+(record field `relayed`) against the site registry of its bundle. Without a bundle (insecure
+development runs) messages leave unsigned and relayed keys are taken on trust, with a warning.
+
 Test-only hooks (site-local node config, off unless set; never set them in production):
   secagg-dump-dir="DIR"   write each round's encoded (unmasked!) ring vector to DIR/round_XXXX.npy
                           (used by tests to check that the unmasked sum is exact)
@@ -28,14 +35,18 @@ Imports neither torch nor anything that does (the ClientApp path stays light).
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
+from io import BytesIO
 from pathlib import Path
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
+from crypto.pki import SiteBundle
 from crypto.secagg import (
+    ChunkManifest,
     MalformedMessageError,
     ProtocolViolationError,
     ReplayedMessageError,
@@ -44,6 +55,7 @@ from crypto.secagg import (
     SecAggError,
 )
 from crypto.secagg import RoundContext as SecAggContext
+from crypto.secagg.signing import check_relayed_adverts, sign
 from federation.codecs import CodecError, UpdateSpec, parse_codec
 from federation.pipeline import Payload
 
@@ -53,6 +65,7 @@ CHUNKS = "secagg_chunks"  # stage-3 reply ArrayRecord: one uint32 Array per mask
 OFFSET_DIGITS = 12
 CODEC_META = "codec."  # prefix of the codec stage's metadata in a Payload (federation.codec_stage)
 _FAULT_STAGES = {"advertise": ADVERTISE, "share": SHARE_KEYS, "masked": MASKED_INPUT}
+log = logging.getLogger("sovfl.secagg_site")
 
 
 class SecAggSiteError(RuntimeError):
@@ -119,8 +132,34 @@ def _load(context: Context, req: Request) -> SecAggClient:
     return SecAggClient.from_state(SecAggConfig.model_validate_json(str(st["config"])), bytes(st["client"]))
 
 
-def _reply_record(req: Request, **extra) -> ConfigRecord:
-    return ConfigRecord({"stage": req.stage, "round": req.ctx.round, "ctx": req.ctx.digest(), **extra})
+def _reply_record(req: Request, bundle: SiteBundle | None, content: bytes, **extra) -> ConfigRecord:
+    """The reply's "secagg" record, signed over `content` when the site has its bundle."""
+    rec = ConfigRecord({"stage": req.stage, "round": req.ctx.round, "ctx": req.ctx.digest(), **extra})
+    if bundle is not None:
+        sig = sign(bundle.sign_key, bundle.federation_id, bundle.name, req.ctx, req.stage, content)
+        rec["sig_header"], rec["sig"] = sig.header, sig.signature
+    return rec
+
+
+def site_bundle(context: Context, site: str) -> SiteBundle | None:
+    """The site's provisioned keys and peer registry (node config `bundle-dir`), or None."""
+    path = str(context.node_config.get("bundle-dir", "") or "")
+    if path:
+        return SiteBundle.load(path)
+    log.warning("site %s: no bundle-dir: SecAgg messages leave UNSIGNED and neighbours' keys are NOT checked "
+                "(insecure development mode; provision bundles with `sovfl provision`)", site)
+    return None
+
+
+def _check_neighbours(req: Request, bundle: SiteBundle | None, client: SecAggClient) -> None:
+    """Stage 2: each relayed neighbour key must carry its owner's signature (see module docstring)."""
+    if bundle is None:
+        return
+    relayed = req.record.get("relayed", b"")
+    if not isinstance(relayed, bytes):
+        raise MalformedMessageError("the relayed advert signatures are not bytes")
+    check_relayed_adverts(req.request, relayed, trust=bundle.trust(), federation_id=bundle.federation_id,
+                          ctx=req.ctx, me=client.id, own_site=bundle.name)
 
 
 # ---- test-only hooks ------------------------------------------------------------------------------
@@ -170,6 +209,7 @@ def on_query(msg: Message, context: Context, site: str) -> Message:
         return _fail(msg, site, f"secagg: {type(err).__name__}: {err}")
     _fault(context, req.ctx.round, req.stage)
     try:
+        bundle = site_bundle(context, site)
         st = _state(context)
         if req.stage == ADVERTISE:
             if int(st["last_round"]) >= req.ctx.round:
@@ -183,6 +223,7 @@ def on_query(msg: Message, context: Context, site: str) -> Message:
             _save(context, client, req.config_json, req.ctx.round)
         elif req.stage == SHARE_KEYS:
             client = _load(context, req)
+            _check_neighbours(req, bundle, client)
             data = client.share_keys(req.request)
             _save(context, client, req.config_json, int(st["last_round"]))
         elif req.stage == UNMASK:
@@ -191,9 +232,19 @@ def on_query(msg: Message, context: Context, site: str) -> Message:
             _wipe(context, int(st["last_round"]))  # one unmask answer per round, then forget the secrets
         else:
             raise ProtocolViolationError("stage 3 (masked input) travels in a train message, not a query")
-    except (SecAggError, ValueError) as err:  # pydantic's ValidationError is a ValueError
+        rec = _reply_record(req, bundle, data, data=data)
+    except (SecAggError, ValueError, OSError) as err:  # pydantic's ValidationError is a ValueError
         return _fail(msg, site, f"secagg stage {req.stage}: {type(err).__name__}: {err}")
-    return _ok(msg, site, _reply_record(req, data=data))
+    return _ok(msg, site, rec)
+
+
+def chunk_array(words: np.ndarray) -> Array:
+    """A masked chunk as a Flower Array (.npy bytes, what `Array(ndarray)` makes) in one copy."""
+    header = np.lib.format.header_data_from_array_1_0(words)
+    buf = BytesIO()
+    np.lib.format.write_array_header_1_0(buf, header)
+    return Array(dtype=str(words.dtype), shape=tuple(words.shape), stype="numpy.ndarray",
+                 data=b"".join((buf.getvalue(), memoryview(np.ascontiguousarray(words)).cast("B"))))
 
 
 def values_vector(payload: Payload) -> np.ndarray:
@@ -222,6 +273,7 @@ def on_train(msg: Message, context: Context, site: str, payload: Payload, num_ex
         raise SecAggSiteError(f"site {site}: secagg stage 3: {type(err).__name__}: {err}") from None
     _fault(context, req.ctx.round, req.stage)
     try:
+        bundle = site_bundle(context, site)
         client = _load(context, req)
         st = _state(context)
         try:
@@ -235,15 +287,14 @@ def on_train(msg: Message, context: Context, site: str, payload: Payload, num_ex
             raise ProtocolViolationError(f"the encoded update has {x.shape[0]} values, the round expects {vector_len}")
         # everything below commits this round's masks: the state is saved as MASKED even if it fails
         rng = _dump_rng(context, req.ctx.round, x, weight, client)
-        chunks = {}
+        chunks, manifest = {}, ChunkManifest()
         try:
             for offset, words in client.masked_input(req.request, x, weight, rng=rng):
-                chunks[f"{offset:0{OFFSET_DIGITS}d}"] = Array(words)
+                chunks[f"{offset:0{OFFSET_DIGITS}d}"] = chunk_array(words)  # copies: words is reused
+                manifest.add(offset, words)
         finally:
             _save(context, client, req.config_json, int(st["last_round"]))
-    except (SecAggError, CodecError, ValueError) as err:
+        rec = _reply_record(req, bundle, manifest.encode(), chunks=len(chunks), vector_len=vector_len, weight=weight)
+    except (SecAggError, CodecError, ValueError, OSError) as err:
         raise SecAggSiteError(f"site {site}: secagg stage 3: {type(err).__name__}: {err}") from None
-    return RecordDict({
-        CHUNKS: ArrayRecord(chunks),
-        RECORD: _reply_record(req, chunks=len(chunks), vector_len=vector_len, weight=weight),
-    })
+    return RecordDict({CHUNKS: ArrayRecord(chunks), RECORD: rec})

@@ -62,11 +62,12 @@ def main(grid: Grid, context: Context) -> None:
         if bundle is None:
             if cfg.federation.seal:
                 raise ConfigError("federation.seal is on but the coordinator has no provisioned bundle (bundle-dir)")
-            progress("WARNING: no coordinator bundle: site updates are accepted UNSIGNED; provision one with "
+            what = "secure-aggregation messages" if cfg.federation.secagg.enabled else "site updates"
+            progress(f"WARNING: no coordinator bundle: {what} are accepted UNSIGNED; provision one with "
                      "`sovfl provision` and pass it with --bundle")
         else:
-            how = ("updates masked by SecAgg+ (secure-aggregation messages are not yet signed; TLS and "
-                   "SuperNode authentication carry site identity)" if cfg.federation.secagg.enabled else
+            how = ("updates masked by SecAgg+, every secure-aggregation message signed by its site and "
+                   "verified against the site registry" if cfg.federation.secagg.enabled else
                    f"signed updates required{', sealed to our key' if cfg.federation.seal else ''}")
             progress(f"coordinator identity '{bundle.name}' in federation {bundle.federation_id}: {how}")
         if att.enabled:

@@ -1,17 +1,17 @@
 """End to end: SecAgg+ over a real SuperLink, SuperNodes, ClientApp processes and torchrun trainers.
 
-One run of four sites (one rank each, digits; complete graph, threshold t = 2 of the 4 shares of
-each secret, so up to n - t = 2 sites may vanish) covers every case of the issue, round by round:
-  1  c vanishes after sending its masked input          -> the exact sum of all four (c's seed rebuilt
-                                                           from its neighbours' shares)
-  2  a vanishes after advertising keys, b after sharing -> the exact sum of c and d (b's masks removed)
-  3  b, c, d vanish after their masked inputs           -> fewer than t shares: clean abort,
-                                                           global model unchanged
-  4  everyone answers                                   -> a normal round again, the exact sum of all
+One run of four sites (one rank each, digits; complete graph, threshold t = 3 of the 4 shares of
+each secret, so one site may vanish per round) covers every case of the issue, round by round:
+  1  b, c vanish after their masked inputs  -> fewer than t shares: clean abort, global model unchanged
+  2  a vanishes after advertising keys      -> the next round works: the exact sum of b, c, d
+  3  b vanishes after sharing keys          -> the exact sum of a, c, d (b's masks removed)
+  4  c vanishes after its masked input      -> the exact sum of all four (c's seed rebuilt from
+                                               its neighbours' shares)
 Sites dump their encoded ring vectors (test-only node config `secagg-dump-dir`) and their plaintext
 updates (`dump_updates`), so the test checks that the unmasked ring sum is exactly the sum of the
 contributors' encoded inputs, and that the decoded average is within the quantization bound of the
-plaintext weighted average.
+plaintext weighted average. Every site holds its provisioned bundle: all SecAgg messages are signed
+and verified (sites check their neighbours' relayed keys), and none is rejected.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 from conftest import live_marked, write_config
+from crypto.pki import provision
 from crypto.secagg import FixedPointCodec
 from federation import launcher
 from federation.checkpoint import load_checkpoint
@@ -37,19 +38,21 @@ pytestmark = pytest.mark.e2e
 SITES = ["a", "b", "c", "d"]
 FAULTS = {
     "a": "round=2,after=advertise",
-    "b": "round=2,after=share;round=3,after=masked",
-    "c": "round=1,after=masked;round=3,after=masked",
-    "d": "round=3,after=masked",
+    "b": "round=1,after=masked;round=3,after=share",
+    "c": "round=1,after=masked;round=4,after=masked",
+    "d": "",
 }
 CLIP = 1.0
 
 
 def run_with_node_config(config_path: Path, workdir: Path, node_config: dict[str, dict[str, str]],
                          progress=print) -> dict:
-    """`launcher.simulate` on plain-text loopback (no PKI: the secagg path does not use it), with extra
-    node config per site for the test-only hooks."""
+    """`launcher.simulate` on plain-text loopback with provisioned bundles (signed SecAgg messages),
+    with extra node config per site for the test-only hooks."""
     cfg = load_config(config_path)
     workdir.mkdir(parents=True, exist_ok=True)
+    pki = workdir / "pki"
+    provision(pki, [s.id for s in cfg.sites])
     sockdir = Path(tempfile.mkdtemp(prefix="sovfl-"))
     sup = launcher.Supervisor(workdir)
     try:
@@ -61,10 +64,10 @@ def run_with_node_config(config_path: Path, workdir: Path, node_config: dict[str
         launcher.wait_trainers(trainers, sockets, cfg.federation.deadlines.trainer_start_s, progress)
         launcher.wait_port(superlink, port)
         launcher.write_flwr_connection(sup, address, None)
-        supernodes = {s.id: launcher.start_supernode(sup, s, address, sockets[s.id], insecure=True,
-                                                     extra_node_config=node_config.get(s.id))
+        supernodes = {s.id: launcher.start_supernode(sup, s, address, sockets[s.id], pki / "sites" / s.id,
+                                                     insecure=True, extra_node_config=node_config.get(s.id))
                       for s in cfg.sites}
-        run = launcher.submit_run(sup, config_path, address)
+        run = launcher.submit_run(sup, config_path, address, pki / "coordinator")
         watched = {**trainers, **{f"{k} (supernode)": v for k, v in supernodes.items()}}
         result = launcher.watch_run(sup, [superlink, run], watched, launcher.run_deadline(cfg), progress)
     finally:
@@ -87,14 +90,15 @@ def test_secagg_exact_sums_dropouts_at_each_stage_abort_and_recovery(tmp_path, m
     cfg = {
         "federation": {"name": "secagg-e2e", "rounds": 4, "quorum": 2, "update_kind": "delta", "evaluate": False,
                        "deadlines": {"connect_s": 60, "round_s": 60, "secagg_stage_s": 30, "trainer_start_s": 120},
-                       "secagg": {"enabled": True, "threshold": 2, "neighbours": 3, "clip": CLIP, "bits": 32}},
+                       "secagg": {"enabled": True, "threshold": 3, "neighbours": 3, "clip": CLIP, "bits": 32}},
         "workload": {"name": "digits", "hidden": 16},
         "sites": [{"id": s, "ranks": 1, "partition": i, "local_steps": 3, "batch_size": 16, "lr": 0.1,
                    "dump_updates": True} for i, s in enumerate(SITES)],
     }
     path = write_config(tmp_path / "secagg.yaml", cfg)
     run, dumps = tmp_path / "run", tmp_path / "ring"
-    node_config = {s: {"secagg-dump-dir": str(dumps / s), "secagg-fault": FAULTS[s]} for s in SITES}
+    node_config = {s: {"secagg-dump-dir": str(dumps / s), **({"secagg-fault": FAULTS[s]} if FAULTS[s] else {})}
+                   for s in SITES}
     lines_out: list[str] = []
     t0 = time.monotonic()
     result = run_with_node_config(path, run, node_config, lines_out.append)
@@ -102,7 +106,9 @@ def test_secagg_exact_sums_dropouts_at_each_stage_abort_and_recovery(tmp_path, m
     log = "\n".join(lines_out)
     assert result["status"] == "ok", log
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [x["status"] for x in lines] == ["aggregated", "aggregated", "skipped", "aggregated"], log
+    assert [x["status"] for x in lines] == ["skipped", "aggregated", "aggregated", "aggregated"], log
+    assert all(x["rejections"] == {} for x in lines) and all(x["secagg"]["threshold"] == 3 for x in lines)
+    assert "every secure-aggregation message signed by its site" in log
 
     from site_trainer.workloads import initial_weights
 
@@ -135,17 +141,18 @@ def test_secagg_exact_sums_dropouts_at_each_stage_abort_and_recovery(tmp_path, m
         previous = model
 
     r1, r2, r3, r4 = lines
-    # c vanished after sending its masked input: it is still in the sum of all four
-    assert r1["secagg"]["contributors"] == SITES and "after stage 'masked'" in r1["secagg"]["unmask_missing"]["c"]
-    assert not r1["failed"]
-    # a vanished after advertising keys, b after sharing them: survivors c and d, b's masks removed
-    assert r2["secagg"]["contributors"] == ["c", "d"] and r2["secagg"]["dropped"] == ["b"]
-    assert "after stage 'advertise'" in r2["failed"]["a"] and "after stage 'share'" in r2["failed"]["b"]
-    # below threshold: clean abort, the model is unchanged, the next round is normal
-    assert "aborted in stage 4 (unmask)" in r3["secagg"]["aborted"] and r3["sites"] == {}
-    assert not (run / "checkpoints" / "round_0003.npz").exists()
+    # below threshold: clean abort, the model is unchanged, the next round works
+    assert "aborted in stage 4 (unmask)" in r1["secagg"]["aborted"] and r1["sites"] == {}
+    assert not (run / "checkpoints" / "round_0001.npz").exists()
     assert "secure aggregation aborted" in log and "the global model is unchanged" in log
-    assert r4["secagg"]["contributors"] == SITES and not r4["failed"]
+    # a vanished after advertising keys: the sum of the other three, no mask of a's in it
+    assert r2["secagg"]["contributors"] == ["b", "c", "d"] and r2["secagg"]["dropped"] == []
+    assert "after stage 'advertise'" in r2["failed"]["a"]
+    # b vanished after sharing keys: the survivors' sum, b's pairwise masks removed
+    assert r3["secagg"]["contributors"] == ["a", "c", "d"] and r3["secagg"]["dropped"] == ["b"]
+    assert "after stage 'share'" in r3["failed"]["b"]
+    # c vanished after sending its masked input: it is still in the sum of all four
+    assert r4["secagg"]["contributors"] == SITES and "after stage 'masked'" in r4["secagg"]["unmask_missing"]["c"]
     # the masked upload is 4 bytes per parameter (+ the weight word and array headers)
     p = _model_flat(previous).shape[0]
     assert all(4 * (p + 1) <= s["upload_bytes"] <= 4 * (p + 1) + 4096 for s in r4["sites"].values())

@@ -139,6 +139,9 @@ def test_rerun_keeps_and_extends(fed: Path, tmp_path: Path) -> None:
     ca = load_cert(out / "ca" / "ca.crt")
     verify_client_cert(load_cert(out / "sites" / "site-c" / "client.crt"), ca)  # issued by the same CA
     assert TrustStore.load(out / "coordinator").sites == [*SITES, "site-c"]
+    # existing sites' registry copies learn the new site (SecAgg+ sites check their peers' keys)
+    assert sorted(report.refreshed) == [f"site:{s}" for s in SITES]
+    assert SiteBundle.load(out / "sites" / "site-a").trust().sites == [*SITES, "site-c"]
     with pytest.raises(ValueError):
         provision(out, SITES, federation_id="another-federation")
 

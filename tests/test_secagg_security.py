@@ -46,7 +46,7 @@ def test_a_masked_vector_alone_is_uniform_over_the_ring(bits: int) -> None:
     cfg = SecAggConfig(threshold=2, clip=1.0, bits=bits, max_weight=1, chunk_bytes=1024)
     _, clients, srv = secagg_to_stage3(cfg, [1, 2, 3], P)
     x = np.full(P, 0.25, np.float32)  # a constant input: maximally non-uniform before masking
-    words = np.concatenate([w for _, w in clients[1].masked_input(srv.masked_input_request(1), x, 1)])
+    words = np.concatenate([w.copy() for _, w in clients[1].masked_input(srv.masked_input_request(1), x, 1)])
     assert words.max() < 1 << bits
     top_byte = words >> np.uint32(bits - 8)  # 256 bins over the ring
     counts = np.bincount(top_byte, minlength=256)
@@ -144,11 +144,19 @@ def test_a_client_masks_only_once() -> None:
         clients[1].masked_input(req, np.ones(P, np.float32), 1)
 
 
+def test_a_nan_update_raises_at_its_chunk() -> None:
+    _, clients, srv = secagg_to_stage3(CFG, [1, 2, 3], P)
+    x = np.zeros(P, np.float32)
+    x[-5] = np.nan  # in the last chunk: the earlier ones are yielded, the site never sends them
+    with pytest.raises(ValueError, match="NaN"):
+        for _ in clients[1].masked_input(srv.masked_input_request(1), x, 1):
+            pass
+
+
 def test_server_rejects_bad_chunks() -> None:
     cfg = SecAggConfig(threshold=2, clip=1.0, bits=16, chunk_bytes=1024)
     _, clients, srv = secagg_to_stage3(cfg, [1, 2, 3], P)
-    chunks = list(clients[1].masked_input(srv.masked_input_request(1), np.zeros(P, np.float32), 1))
-    off, w = chunks[0]
+    off, w = next(iter(clients[1].masked_input(srv.masked_input_request(1), np.zeros(P, np.float32), 1)))
     srv.add_masked_chunk(1, off, w)
     with pytest.raises(ProtocolViolationError, match="overlapping"):
         srv.add_masked_chunk(1, off + 1, w)

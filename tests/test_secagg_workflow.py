@@ -18,6 +18,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, 
 from flwr.common.serde import context_from_proto, context_to_proto, message_from_proto, message_to_proto
 from flwr.supercore.task_identity import TaskIdentity
 
+from crypto.pki import CoordinatorBundle
 from crypto.secagg import FixedPointCodec, SecAggConfig
 from federation import secagg_site
 from federation.codec_stage import CodecStage, round_seed
@@ -101,6 +102,7 @@ class FakeGrid:
         self.sites = {s.node_id: s for s in sites}
         self.replies: dict[str, Message] = {}
         self.max_pulled = 0
+        self.tamper_out = None  # Message -> Message: what a malicious coordinator sends instead
 
     def get_node_ids(self):
         return list(self.sites)
@@ -111,6 +113,8 @@ class FakeGrid:
             mid = uuid.uuid4().hex
             m.metadata.__dict__["_message_id"] = mid
             wire = message_from_proto(message_to_proto(m))
+            if self.tamper_out is not None:
+                wire = self.tamper_out(wire)
             reply = self.sites[m.metadata.dst_node_id].handle(wire)
             if reply is not None:
                 reply.metadata.__dict__["_message_id"] = uuid.uuid4().hex
@@ -126,8 +130,12 @@ class FakeGrid:
 
 def make(tmp_path: Path, n: int = 5, secagg: dict | None = None, codec: str = "identity",
          node_config: dict[str, dict] | None = None, examples: list[int] | None = None,
-         strategy: str = "fedavg") -> tuple[Coordinator, FakeGrid]:
+         strategy: str = "fedavg", pki: Path | None = None) -> tuple[Coordinator, FakeGrid]:
+    """Coordinator and sites "a", "b", ...; with `pki` (provisioned for those names) sites sign with
+    their bundles and the coordinator verifies with its own."""
     names = [chr(ord("a") + i) for i in range(n)]
+    if pki is not None:
+        node_config = {s: {"bundle-dir": str(pki / "sites" / s), **(node_config or {}).get(s, {})} for s in names}
     cfg = parse_config({
         "federation": {"name": "unit", "rounds": 6, "quorum": 2, "codec": codec, "evaluate": False, "strategy": strategy,
                        "deadlines": {"round_s": 1.0, "secagg_stage_s": 0.6, "connect_s": 5},
@@ -139,7 +147,8 @@ def make(tmp_path: Path, n: int = 5, secagg: dict | None = None, codec: str = "i
     sites = [FakeSite(s, (2**63 + 1000 + 17 * i), examples[i], (node_config or {}).get(s)) for i, s in enumerate(names)]
     grid = FakeGrid(sites)
     initial = {k: np.zeros(s, dtype=np.float32) for k, s in SHAPES.items()}
-    coord = Coordinator(grid, cfg, tmp_path / "coord", RUN_ID, initial, lambda line: None)
+    bundle = CoordinatorBundle.load(pki / "coordinator") if pki is not None else None
+    coord = Coordinator(grid, cfg, tmp_path / "coord", RUN_ID, initial, lambda line: None, bundle)
     assert isinstance(coord.protocol, SecAggRound)
     coord.wait_for_sites()
     return coord, grid

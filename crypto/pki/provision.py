@@ -4,7 +4,8 @@
     out_dir/coordinator/         TLS server cert+key, X25519 sealing key, Ed25519 signing key,
                                  CA-signed site registry, CRL
     out_dir/sites/<name>/        TLS client cert+key, Flower SuperNode auth key (OpenSSH),
-                                 Ed25519 update-signing key, the coordinator's public keys
+                                 Ed25519 update-signing key, the coordinator's public keys,
+                                 a copy of the CA-signed site registry (to check peers' keys)
     out_dir/retired/             bundles replaced by an explicit rotation (never deleted)
 
 Re-running is idempotent: existing bundles are kept and reported, new sites are issued from the
@@ -187,20 +188,26 @@ def existing_sites(root: Path) -> list[str]:
     return sorted(p.name for p in base.iterdir() if p.is_dir() and not p.name.startswith(".") and (p / "site.json").exists())
 
 
+def _copy_public(src: Path, dst: Path) -> None:
+    shutil.copyfile(src, dst.with_name(f".{dst.name}.tmp"))
+    os.replace(dst.with_name(f".{dst.name}.tmp"), dst)
+
+
 def _write_site_public(root: Path, ca: _CA, site: str, coord: CoordinatorRecord) -> None:
-    """(Re)write the public parts of a site bundle: coordinator keys, CRL, manifest."""
+    """(Re)write the public parts of a site bundle: coordinator keys, CRL, site registry, manifest."""
     d = root / "sites" / site
     rec = _site_record(root, site)
     write_public(d / COORD_SEAL_PUB, public_pem(coord.sealing_public_key()))
     write_public(d / COORD_SIGN_PUB, public_pem(coord.signing_public_key()))
-    shutil.copyfile(ca.dir / CRL_FILE, d / f".{CRL_FILE}.tmp")
-    os.replace(d / f".{CRL_FILE}.tmp", d / CRL_FILE)
+    _copy_public(ca.dir / CRL_FILE, d / CRL_FILE)
+    _copy_public(root / "coordinator" / REGISTRY, d / REGISTRY)
     write_json(d / MANIFEST, BundleManifest(
         party=site, role="site", federation_id=ca.federation_id, ca_fingerprint=ca.fingerprint,
         created_at=rec.issued_at,
         files={"ca_cert": CA_CERT, "tls_cert": CLIENT_CERT, "tls_key": CLIENT_KEY, "supernode_auth_key": AUTH_KEY,
                "supernode_auth_pub": AUTH_PUB, "sign_key": SIGN_KEY, "sign_pub": SIGN_PUB,
-               "coordinator_seal_pub": COORD_SEAL_PUB, "coordinator_sign_pub": COORD_SIGN_PUB, "crl": CRL_FILE},
+               "coordinator_seal_pub": COORD_SEAL_PUB, "coordinator_sign_pub": COORD_SIGN_PUB, "crl": CRL_FILE,
+               "registry": REGISTRY},
         fingerprints={"ca_cert": ca.fingerprint, "tls_cert": rec.client_cert_fingerprint,
                       "supernode_auth": rec.supernode_auth_fingerprint,
                       "coordinator_server_cert": coord.server_cert_fingerprint},
@@ -216,8 +223,7 @@ def write_registry(root: Path, ca: _CA) -> None:
     body = RegistryBody(federation_id=ca.federation_id, ca_fingerprint=ca.fingerprint, issued_at=_now_iso(),
                         coordinator=coord, sites=sites)
     write_json(d / REGISTRY, SignedRegistry.sign(body, ca.key).model_dump(mode="json"))
-    shutil.copyfile(ca.dir / CRL_FILE, d / f".{CRL_FILE}.tmp")
-    os.replace(d / f".{CRL_FILE}.tmp", d / CRL_FILE)
+    _copy_public(ca.dir / CRL_FILE, d / CRL_FILE)
     write_json(d / MANIFEST, BundleManifest(
         party=coord.name, role="coordinator", federation_id=ca.federation_id, ca_fingerprint=ca.fingerprint,
         created_at=coord.issued_at,
@@ -321,13 +327,13 @@ def provision(
             report.created.append(f"site:{site}")
         touched.add(site)
 
+    write_registry(root, ca)
     coord = _coordinator_record(root)
-    for site in existing_sites(root):
-        if site in touched or coordinator_changed or report.rotated:
+    for site in existing_sites(root):  # every site's registry copy must know new or re-keyed sites
+        if touched or coordinator_changed or report.rotated:
             _write_site_public(root, ca, site, coord)
             if site not in touched:
                 report.refreshed.append(f"site:{site}")
-    write_registry(root, ca)
     return report
 
 

@@ -1,7 +1,9 @@
 """Trust stores and bundle loaders: who is known, who is revoked, and which keys they hold.
 
 A coordinator loads its bundle to learn every site's Ed25519 update key; a site loads its bundle
-to learn the coordinator's sealing and signing keys. Both consult the CA-signed CRL.
+to learn the coordinator's sealing and signing keys and, from its copy of the CA-signed site
+registry, its peers' signing keys (SecAgg+ sites check the keys their neighbours advertise).
+Both consult the CA-signed CRL.
 """
 
 from __future__ import annotations
@@ -90,19 +92,19 @@ class TrustStore:
             log.warning("CRL in %s is past its next_update (%s): re-run revoke/provision to refresh", d, crl.next_update_utc)
         revoked = frozenset(rc.serial_number for rc in crl)
         parties: dict[str, PartyRecord] = {}
-        if manifest.role == "coordinator":
+        if manifest.role not in ("coordinator", "site"):
+            raise ValueError(f"{d} is a {manifest.role} bundle; load a coordinator or site bundle")
+        if manifest.role == "coordinator" or (d / REGISTRY).exists():  # site bundles: peers' keys (SecAgg)
             body = SignedRegistry.model_validate_json((d / REGISTRY).read_text()).verify(ca_cert)
             if body.federation_id != manifest.federation_id:
                 raise ValueError("registry belongs to another federation")
             for name, s in body.sites.items():
                 parties[name] = PartyRecord(name, "site", s.signing_public_key(), int(s.client_cert_serial, 16))
-        elif manifest.role == "site":
+        if manifest.role == "site":
             c = manifest.coordinator
             assert c is not None and manifest.site is not None
             parties[c.name] = PartyRecord(c.name, "coordinator", c.signing_public_key(), int(c.server_cert_serial, 16),
                                           c.sealing_public_key())
-        else:
-            raise ValueError(f"{d} is a {manifest.role} bundle; load a coordinator or site bundle")
         return cls(manifest.federation_id, parties, revoked)
 
 

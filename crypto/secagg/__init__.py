@@ -3,7 +3,8 @@
 Pure library over bytes and numpy arrays (numpy + cryptography + pydantic for the config): a
 protocol driver carries the messages, this package does the cryptography. See `client.py` and
 `server.py` for the four stages; `encoding.py` for the fixed-point scheme and its error bound;
-`graph.py` for the neighbour graph and its degree rule.
+`graph.py` for the neighbour graph and its degree rule; `signing.py` for the sites' signatures on
+their messages (through `crypto.envelope`).
 """
 
 from .client import ClientStage, SecAggClient
@@ -23,8 +24,10 @@ from .errors import (
 )
 from .graph import choose_degree, neighbour_graph
 from .server import SecAggResult, SecAggServer
+from .signing import ChunkManifest, Signature, SignatureRejected
 
 __all__ = [
+    "ChunkManifest",
     "ClientStage",
     "FixedPointCodec",
     "MalformedMessageError",
@@ -41,6 +44,8 @@ __all__ = [
     "SecAggMessageError",
     "SecAggResult",
     "SecAggServer",
+    "Signature",
+    "SignatureRejected",
     "TamperedMessageError",
     "choose_degree",
     "neighbour_graph",

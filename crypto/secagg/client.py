@@ -4,13 +4,14 @@
     advert = client.advertise_keys()                          # stage 1 -> server (bytes)
     reply = client.share_keys(share_keys_request)             # stage 2 -> server (bytes)
     for offset, words in client.masked_input(masked_input_request, update, weight):
-        send(offset, words)                                   # stage 3 -> server (uint32 chunks)
+        keep(offset, words.copy())                            # stage 3 -> server (uint32 chunks)
     shares = client.unmask(unmask_request)                    # stage 4 -> server (bytes)
 
 The object holds this round's secrets; `to_state()` / `from_state()` carry it between the
 short-lived processes a Flower ClientApp runs in (keep that state on the site: it holds keys).
 Each stage runs once, in order: re-masking an input under the same masks, or answering two
-unmask requests, would let the server learn an individual input.
+unmask requests, would let the server learn an individual input. Signing the messages is the
+driver's part (signing.py): this object never sees the site's long-term keys.
 """
 
 from __future__ import annotations
@@ -142,22 +143,27 @@ class SecAggClient:
     ) -> Iterator[tuple[int, np.ndarray]]:
         """Stage 3: receive the shares, then encode and mask `update` chunk by chunk.
 
-        Yields (offset, uint32 words) over the ring vector [encoded update (P words), weight];
-        each chunk is a fresh array of at most `config.chunk_bytes`. `rng` drives stochastic
+        Yields (offset, uint32 words) over the ring vector [encoded update (P words), weight], at
+        most `config.chunk_bytes` per chunk. The words are a view of one buffer that the next chunk
+        overwrites: send or copy each chunk before drawing the next. `rng` drives stochastic
         rounding (its noise key is drawn from it; default: os.urandom).
+
+        An update holding NaN raises ValueError when its chunk is reached (found in the encoded
+        words, not by a scan beforehand): send a client's chunks only once the generator is
+        exhausted, as the server cannot take a partial upload out of the sum again.
         """
         self._expect(ClientStage.SHARED)
         assert self.params is not None
         x = np.asarray(update).reshape(-1)
         if not np.issubdtype(x.dtype, np.floating):
             raise ValueError(f"the update must be a float array, got {x.dtype}")
-        clip = self.params.codec.needs_clip(x)  # also rejects NaN before anything is sent
         w = self.params.codec.check_weight(weight)
         self.receive_shares(request)
-        return self._mask_chunks(x.shape[0] + 1, _Encoder(self.params.codec, x, w, noise_key(rng), clip).fill)
+        return self._mask_chunks(x.shape[0] + 1, _Encoder(self.params.codec, x, w, noise_key(rng)).fill)
 
     def mask_encoded(self, request: bytes, ring_vector: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
-        """Stage 3 for an input already encoded in the ring (any uint32 vector, values < 2^b)."""
+        """Stage 3 for an input already encoded in the ring (any uint32 vector, values < 2^b);
+        chunks as `masked_input` yields them."""
         self.receive_shares(request)
         vec = np.asarray(ring_vector, dtype=np.uint32).reshape(-1)
 
@@ -169,25 +175,30 @@ class SecAggClient:
     def _mask_chunks(
         self, length: int, fill: Callable[[int, np.ndarray, MaskExpander], None]
     ) -> Iterator[tuple[int, np.ndarray]]:
-        """Chunks of the masked ring vector; `fill` writes the plain words of each piece."""
+        """Chunks of the masked ring vector; `fill` writes the plain words of each piece.
+
+        One pass per cache-sized piece: `fill` encodes into it, then every mask is added in
+        place. The streams are opened once and read in order, and all chunks share one buffer.
+        """
         assert self.params is not None
         bits, cw = self.params.codec.bits, self.params.chunk_words
         masks = [(keys.self_mask_key(self._seed, self.ctx, self.id), 1)]
         for v in sorted(self.live_neighbours):
             k = keys.pairwise_mask_key(self._s.private, self._peer_keys[v][1], self.ctx, self.id, v)
             masks.append((k, 1 if self.id < v else -1))  # + for the smaller id, - for the larger
-        expander = MaskExpander()
-        pw = expander.piece_words
 
         def gen() -> Iterator[tuple[int, np.ndarray]]:
+            expander = MaskExpander()
+            pw = expander.piece_words
+            opened = expander.open_masks(masks, 0)
+            buf = np.empty(min(cw, length), dtype=np.uint32)
             for offset in range(0, length, cw):
-                words = np.empty(min(cw, length - offset), dtype=np.uint32)
-                streams = [(expander.open(key, offset), sign) for key, sign in masks]
-                for s in range(0, words.shape[0], pw):  # cache-sized pieces: encode, then mask
-                    piece = words[s : s + pw]
-                    fill(offset + s, piece, expander)
-                    for stream, sign in streams:
-                        expander.apply_next(piece, stream, sign)
+                words = buf[: min(cw, length - offset)]
+                with np.errstate(invalid="ignore"):  # see FixedPointCodec.encode_into
+                    for s in range(0, words.shape[0], pw):
+                        piece = words[s : s + pw]
+                        fill(offset + s, piece, expander)
+                        opened.apply(piece)
                 yield offset, ring.reduce_inplace(words, bits)
 
         return gen()
@@ -267,20 +278,18 @@ class SecAggClient:
 class _Encoder:
     """Fills pieces of the plain ring vector [encode(x), weight] in increasing offset order."""
 
-    def __init__(self, codec: FixedPointCodec, x: np.ndarray, weight: int, noise: bytes, clip: bool) -> None:
-        self.codec, self.x, self.weight, self.noise_key, self.clip = codec, x, weight, noise, clip
-        self.noise: Any = None  # rounding-noise stream, word i for parameter i
+    def __init__(self, codec: FixedPointCodec, x: np.ndarray, weight: int, noise: bytes) -> None:
+        self.codec, self.x, self.weight, self.noise_key = codec, x, weight, noise
+        self.noise: Any = None  # rounding-noise stream: half-word i rounds parameter i
         self.scratch = np.empty(PIECE_WORDS)
-        self.uscratch = np.empty(PIECE_WORDS)
 
     def fill(self, offset: int, piece: np.ndarray, expander: MaskExpander) -> None:
         p = self.x.shape[0]
         m = max(0, min(piece.shape[0], p - offset))  # parameter words; the weight word follows
         if m:
-            if self.noise is None:  # 16-bit noise: half-word i of the stream rounds parameter i
+            if self.noise is None:
                 self.noise = expander.open(self.noise_key, offset // 2)  # offsets are multiples of 4
             r = expander.next(self.noise, (m + 1) // 2).view(np.uint16)[:m]  # used before the masks reuse the buffer
-            xs = self.x[offset : offset + m]
-            self.codec.encode_into(xs, self.weight, piece[:m], r, self.scratch, self.uscratch, self.clip)
+            self.codec.encode_into(self.x[offset : offset + m], self.weight, piece[:m], r, self.scratch)
         if m < piece.shape[0]:
             piece[m] = self.weight

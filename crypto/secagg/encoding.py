@@ -11,7 +11,8 @@ sum never wraps. Decoding: mean = S * 2c / (L * w) - c, the w-weighted mean of t
 Rounding is floor(y + U) with U = r / 2^16 and r uniform 16-bit words from an AES-CTR stream
 (prg.py) keyed by 16 bytes drawn from a seeded numpy Generator (reproducible) or os.urandom: the
 same PRG as the masks, several times faster than numpy's float generators. 16 bits of noise make
-the rounding probability exact to 2^-16, i.e. a bias below 2^-16 of a step.
+the rounding probability exact to 2^-16, i.e. a bias below 2^-16 of a step. y is computed in
+float64 (w * L * x needs up to 32 integer bits plus the 16 bits the noise acts on).
 
 Weighting happens before rounding (rounding w_i * t_i rather than multiplying an already rounded
 t_i by w_i), so each client adds at most one unit of error however large its weight.
@@ -33,6 +34,11 @@ import numpy as np
 from . import ring
 from .errors import SecAggConfigError
 from .prg import expand
+
+
+def _reject_nan(x: np.ndarray) -> None:
+    if np.isnan(x).any():
+        raise ValueError("the update contains NaN")
 
 
 def noise_key(rng: np.random.Generator | None) -> bytes:
@@ -73,57 +79,62 @@ class FixedPointCodec:
             raise ValueError(f"weight must be an integer in [0, {self.max_weight}], got {weight!r}")
         return int(weight)
 
-    def needs_clip(self, x: np.ndarray) -> bool:
-        """Whether any value of `x` lies outside [-clip, clip]; raises ValueError on NaN.
+    def encode_into(self, x: np.ndarray, weight: int, out: np.ndarray, noise: np.ndarray, scratch: np.ndarray) -> None:
+        """Encode the float piece `x` into uint32 `out`: five in-place passes and a max, no temporaries.
 
-        One min and one max pass replace a NaN scan and let in-range updates skip clipping.
-        """
-        if x.shape[0] == 0:
-            return False
-        lo, hi = float(x.min()), float(x.max())
-        if np.isnan(lo) or np.isnan(hi):
-            raise ValueError("the update contains NaN")
-        return lo < -self.clip or hi > self.clip
+        `noise` holds len(x) uniform uint16 words r (U = r / 2^16 drives the rounding); `scratch`
+        is a float64 buffer of at least len(x). Computes floor(x * s + r / 2^16 + W / 2) with
+        s = W / 2c, W = weight * levels, working in units of 2^-16 so that r adds as an integer.
 
-    def encode_into(
-        self,
-        x: np.ndarray,
-        weight: int,
-        out: np.ndarray,
-        noise: np.ndarray,
-        scratch: np.ndarray,
-        uscratch: np.ndarray,
-        clip: bool = True,
-    ) -> None:
-        """Encode the float chunk `x` (no NaN) into uint32 `out` in 4-5 cache-friendly passes.
-
-        `noise` holds len(x) uniform uint16 words (U = noise / 2^16 drives the rounding);
-        `scratch` and `uscratch` are float64 buffers of at least len(x); `clip=False` only when
-        `needs_clip(x)` said so.
+        Clipping is checked on the result rather than scanned for beforehand: an in-range x gives
+        v in [0, W]; a value above the range gives W (what clipping gives) or more, one below it 0
+        or a negative (wrapping past 2^31), and NaN/inf give 2^31, so `max(out) > W` flags exactly
+        the pieces whose result differs from the clipped one; only those are encoded again,
+        clipped, from the same noise. A NaN raises ValueError, so no scan for NaN is needed
+        beforehand either. Run it under `np.errstate(invalid="ignore")`: the first conversion of
+        such a piece sets that flag.
         """
         n = x.shape[0]
-        t, u = scratch[:n], uscratch[:n]
-        scale = weight * self.levels / (2.0 * self.clip)
-        half = weight * self.levels / 2.0  # clip * scale
-        np.multiply(x, scale, out=t, dtype=np.float64)  # a float32 product would round w*L*x by several units
-        if clip:
-            np.clip(t, -half, half, out=t)  # +-inf clip too
-        np.multiply(noise, 2.0 ** (-8 * noise.dtype.itemsize), out=u)
-        t += u
-        # t + half is in [0, weight * levels + 1): truncation is floor. Below 2^31 (always when
-        # n >= 2, as n * W * L < 2^32) the float -> int32 conversion is the fast SIMD one.
-        dst = out.view(np.int32) if self.levels * self.max_weight < 1 << 31 else out
-        np.add(t, half, out=dst, casting="unsafe")
+        t = scratch[:n]
+        top = weight * self.levels
+        if top == 0:  # weight 0: every word is floor(U) = 0 (and inf * 0 must not become NaN)
+            _reject_nan(x)
+            out[:] = 0
+            return
+        s = top / (2.0 * self.clip) * 65536.0
+        for clip in (False, True) if self._checkable else (True,):
+            np.copyto(t, x)  # then scale in float64: x * s in float32 would round w*L*x/2c to 24 bits
+            np.multiply(t, s, out=t)
+            if clip:
+                _reject_nan(x)
+                np.clip(t, -top * 32768.0, top * 32768.0, out=t)  # +-inf clip too
+            self._round_into(t, noise, top, out)
+            if clip or int(out.max()) <= top:
+                return
+
+    @property
+    def _checkable(self) -> bool:
+        """Whether every encoded word is below 2^31, so int32 conversion and the range check apply."""
+        return self.levels * self.max_weight < 1 << 31
+
+    def _round_into(self, t: np.ndarray, noise: np.ndarray, top: int, out: np.ndarray) -> None:
+        """out = floor(t / 2^16 + noise / 2^16 + top / 2), t scaled x (float64, overwritten)."""
+        np.add(t, noise, out=t)
+        np.multiply(t, 2.0**-16, out=t)
+        # t + top/2 >= 0 when in range: truncation is floor. Below 2^31 the float -> int32
+        # conversion is the fast SIMD one (NaN and overflow give INT_MIN = 2^31 as uint32).
+        dst = out.view(np.int32) if self._checkable else out
+        np.add(t, top / 2.0, out=dst, casting="unsafe")
 
     def encode(self, x: np.ndarray, weight: int, rng: np.random.Generator) -> np.ndarray:
         """The whole ring vector [v (P words), weight] of one client (tests, small vectors)."""
         w = self.check_weight(weight)
         x = np.asarray(x).reshape(-1)
-        clip = self.needs_clip(x)
         p = x.shape[0]
         out = np.empty(p + 1, dtype=np.uint32)
         noise = expand(noise_key(rng), (p + 1) // 2).view(np.uint16)[:p]  # half-word i: parameter i
-        self.encode_into(x, w, out[:-1], noise, np.empty(p), np.empty(p), clip)
+        with np.errstate(invalid="ignore"):
+            self.encode_into(x, w, out[:-1], noise, np.empty(p))
         out[-1] = w
         return out
 

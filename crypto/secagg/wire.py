@@ -40,6 +40,7 @@ class MsgType(IntEnum):
     UNMASK_REQUEST = 5  # server -> client, stage 4
     UNMASK_REPLY = 6  # client -> server, stage 4
     SHARE_ENVELOPE = 7  # client -> client through the server, stage 2 -> 3
+    ADVERT_SIGNATURES = 8  # server -> client with stage 2: the neighbours' signed-advert proofs
 
 
 class ShareKind(IntEnum):
@@ -274,6 +275,29 @@ def decode_unmask_reply(ctx: RoundContext, data: bytes, sender: int) -> list[tup
         out.append((owner, k, r.blob()))
     r.end()
     return out
+
+
+def encode_advert_signatures(ctx: RoundContext, client: int, sigs: dict[int, tuple[bytes, bytes]]) -> bytes:
+    """With stage 2, server -> client: the (signed header, signature) each neighbour sent with its
+    advert, relayed so that the client can check them (see signing.py)."""
+    w = _header(_Writer(), MAGIC, MsgType.ADVERT_SIGNATURES, ctx).u64(client).u32(len(sigs))
+    for src, (header, signature) in sigs.items():
+        w.u64(src).blob(header).blob(signature)
+    return w.done()
+
+
+def decode_advert_signatures(ctx: RoundContext, data: bytes, me: int) -> dict[int, tuple[bytes, bytes]]:
+    r = _Reader(data)
+    _check_header(r, MAGIC, MsgType.ADVERT_SIGNATURES, ctx)
+    _check_client(MsgType.ADVERT_SIGNATURES, r.u64(), me)
+    sigs: dict[int, tuple[bytes, bytes]] = {}
+    for _ in range(r.count()):
+        src, header, signature = r.u64(), r.blob(), r.blob()
+        if src in sigs:
+            raise MalformedMessageError(f"two advert signatures for client {src}")
+        sigs[src] = (header, signature)
+    r.end()
+    return sigs
 
 
 # ---- share envelopes (AEAD) -----------------------------------------------------------------
