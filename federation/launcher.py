@@ -317,11 +317,12 @@ def result_line(result: dict) -> str:
 
 def simulate(config_path: str | Path, workdir: str | Path | None = None,
              progress: Callable[[str], None] = print, insecure: bool = False,
-             tap: Callable[[str], str] | None = None) -> dict:
+             tap: Callable[[str], str] | None = None,
+             node_config: dict[str, dict[str, str]] | None = None) -> dict:
     """Run a whole federation on loopback with real processes; returns the run's result.
 
     `tap` maps the SuperLink's address to the one the sites dial instead (a wire audit's
-    recording proxy)."""
+    recording proxy); `node_config` adds per-site SuperNode settings (tests' hooks)."""
     config_path = Path(config_path)
     cfg = load_config(config_path)
     workdir = Path(workdir or Path("runs") / f"{cfg.federation.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
@@ -351,7 +352,8 @@ def simulate(config_path: str | Path, workdir: str | Path | None = None,
         dial = tap(f"127.0.0.1:{port}") if tap else f"127.0.0.1:{port}"
         supernodes = {s.id: start_supernode(
             sup, s, dial, sockets[s.id], pki / "sites" / s.id, insecure,
-            site_attestation_config(cfg, s.id, workdir / "sites" / s.id, issuer)) for s in cfg.sites}
+            {**site_attestation_config(cfg, s.id, workdir / "sites" / s.id, issuer), **(node_config or {}).get(s.id, {})})
+            for s in cfg.sites}
         run = submit_run(sup, config_path, f"127.0.0.1:{port}", coord, issuer)
         watched = {**trainers, **{f"{k} (supernode)": v for k, v in supernodes.items()}}
         result = watch_run(sup, [superlink, run], watched, run_deadline(cfg), progress)

@@ -12,14 +12,16 @@ updates (`dump_updates`), so the test checks that the unmasked ring sum is exact
 contributors' encoded inputs, and that the decoded average is within the quantization bound of the
 plaintext weighted average. Every site holds its provisioned bundle: all SecAgg messages are signed
 and verified (sites check their neighbours' relayed keys), and none is rejected.
+
+TLS is off and a proxy records every byte between the sites and the SuperLink (a wire audit):
+masking alone keeps each update unreadable, so neither a site's plaintext update nor its encoded
+ring input appears on the wire, while the (public, unmasked) global model does.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -27,11 +29,11 @@ import numpy as np
 import pytest
 
 from conftest import live_marked, write_config
-from crypto.pki import provision
 from crypto.secagg import FixedPointCodec
 from federation import launcher
 from federation.checkpoint import load_checkpoint
 from federation.config import load_config
+from wiretap import WireTap, found, windows
 
 pytestmark = pytest.mark.e2e
 
@@ -43,37 +45,6 @@ FAULTS = {
     "d": "",
 }
 CLIP = 1.0
-
-
-def run_with_node_config(config_path: Path, workdir: Path, node_config: dict[str, dict[str, str]],
-                         progress=print) -> dict:
-    """`launcher.simulate` on plain-text loopback with provisioned bundles (signed SecAgg messages),
-    with extra node config per site for the test-only hooks."""
-    cfg = load_config(config_path)
-    workdir.mkdir(parents=True, exist_ok=True)
-    pki = workdir / "pki"
-    provision(pki, [s.id for s in cfg.sites])
-    sockdir = Path(tempfile.mkdtemp(prefix="sovfl-"))
-    sup = launcher.Supervisor(workdir)
-    try:
-        port = launcher.free_port()
-        address = f"127.0.0.1:{port}"
-        superlink = launcher.start_superlink(sup, port)
-        sockets = {s.id: str(sockdir / f"{s.id}.sock") for s in cfg.sites}
-        trainers = {s.id: launcher.start_trainer(sup, s, cfg, sockets[s.id]) for s in cfg.sites}
-        launcher.wait_trainers(trainers, sockets, cfg.federation.deadlines.trainer_start_s, progress)
-        launcher.wait_port(superlink, port)
-        launcher.write_flwr_connection(sup, address, None)
-        supernodes = {s.id: launcher.start_supernode(sup, s, address, sockets[s.id], pki / "sites" / s.id,
-                                                     insecure=True, extra_node_config=node_config.get(s.id))
-                      for s in cfg.sites}
-        run = launcher.submit_run(sup, config_path, address, pki / "coordinator")
-        watched = {**trainers, **{f"{k} (supernode)": v for k, v in supernodes.items()}}
-        result = launcher.watch_run(sup, [superlink, run], watched, launcher.run_deadline(cfg), progress)
-    finally:
-        sup.close()
-        shutil.rmtree(sockdir, ignore_errors=True)
-    return result
 
 
 def _flat(path: Path) -> np.ndarray:
@@ -101,7 +72,11 @@ def test_secagg_exact_sums_dropouts_at_each_stage_abort_and_recovery(tmp_path, m
                    for s in SITES}
     lines_out: list[str] = []
     t0 = time.monotonic()
-    result = run_with_node_config(path, run, node_config, lines_out.append)
+    tap = WireTap()
+    try:
+        result = launcher.simulate(path, run, lines_out.append, insecure=True, tap=tap.start, node_config=node_config)
+    finally:
+        tap.close()
     elapsed = time.monotonic() - t0
     log = "\n".join(lines_out)
     assert result["status"] == "ok", log
@@ -156,6 +131,16 @@ def test_secagg_exact_sums_dropouts_at_each_stage_abort_and_recovery(tmp_path, m
     # the masked upload is 4 bytes per parameter (+ the weight word and array headers)
     p = _model_flat(previous).shape[0]
     assert all(4 * (p + 1) <= s["upload_bytes"] <= 4 * (p + 1) + 4096 for s in r4["sites"].values())
+    # the wire audit: what TLS would hide shows no update, masked or not
+    for rnd, line in enumerate(lines, start=1):
+        for site in line["secagg"].get("contributors", []):
+            plain_update = np.load(run / "sites" / site / "updates" / f"round_{rnd:04d}.npz")
+            needles = windows({k: plain_update[k] for k in plain_update.files})
+            needles += windows({"ring": np.load(dumps / site / f"round_{rnd:04d}.npy")})
+            assert len(needles) > 50 and found(needles, tap.up) == 0, f"{site}'s round {rnd} update is on the wire"
+    _, sent, _ = load_checkpoint(run / "checkpoints" / "round_0003.npz")  # round 4's global model
+    needles = windows(sent)
+    assert found(needles, tap.down) >= 0.9 * len(needles), "the capture does not see the downlink"
     print(f"secagg e2e: {elapsed:.1f}s, per round: {[round(x['round_s'], 1) for x in lines]}, "
           f"stage seconds r4: {r4['secagg']['stage_s']}")
     assert live_marked(marker) == []
