@@ -27,21 +27,31 @@ from site_trainer import endpoint, handoff, workloads  # noqa: E402
 from site_trainer.config import SiteConfig, TrainerConfig, WorkloadConfig  # noqa: E402
 
 
-def trainer_config(tmp: Path, name: str, workload: WorkloadConfig, ranks: int, steps: int) -> Path:
+def trainer_config(tmp: Path, name: str, workload: WorkloadConfig, ranks: int, steps: int, **site) -> Path:
+    """A trainer's config file; `site` overrides SiteConfig fields (backend, strategy, batch_size, ...)."""
     tmp.mkdir(parents=True, exist_ok=True)
+    site = {"batch_size": 16, "lr": 1e-3, "optimizer": "adamw", **site}
     cfg = TrainerConfig(
-        site=SiteConfig(id=name, ranks=ranks, partition=0, local_steps=steps, batch_size=16, lr=1e-3, optimizer="adamw"),
+        site=SiteConfig(id=name, ranks=ranks, partition=0, local_steps=steps, **site),
         workload=workload, num_partitions=1, seed=0, socket=str(tmp / f"{name}.sock"), workdir=str(tmp / name))
     path = tmp / f"{name}.json"
     path.write_text(cfg.model_dump_json())
     return path
 
 
-def plain(cfg_path: Path, ranks: int, steps: int) -> float:
+def plain_run(cfg_path: Path, ranks: int, steps: int, warmup: int = 0) -> dict:
+    """The anchor's figures (samples, seconds, samples_per_s, peak_cuda_bytes) from one torchrun:
+    `steps` timed steps after `warmup` untimed ones."""
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-                          str(ROOT / "benchmarks" / "_plain_ddp.py"), str(cfg_path), str(steps)],
-                         capture_output=True, text=True, check=True, cwd=ROOT, env={"OMP_NUM_THREADS": "1", **_env()})
-    return json.loads(out.stdout.strip().splitlines()[-1])["samples_per_s"]
+                          str(ROOT / "benchmarks" / "_plain_ddp.py"), str(cfg_path), str(steps), str(warmup)],
+                         capture_output=True, text=True, cwd=ROOT, env={"OMP_NUM_THREADS": "1", **_env()})
+    if out.returncode != 0:
+        raise SystemExit(f"plain torchrun failed ({out.returncode}):\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def plain(cfg_path: Path, ranks: int, steps: int) -> float:
+    return plain_run(cfg_path, ranks, steps)["samples_per_s"]
 
 
 def _env() -> dict:
@@ -79,18 +89,26 @@ class Service:
         self.sup.close()
 
 
-def ours(tmp: Path, cfg_path: Path, ranks: int, rounds: int, steps: int) -> float:
+def ours_run(tmp: Path, cfg_path: Path, ranks: int, rounds: int, steps: int) -> dict:
+    """Our service's figures: samples/s over whole rounds (hand-off included) and over training only."""
     svc = Service(tmp, cfg_path, ranks)
     try:
         svc.round(0)  # warm-up, like the plain script's untimed start
         t0 = time.perf_counter()
-        samples = 0
+        samples, train_s = 0, 0.0
         for r in range(1, rounds + 1):
             _, m = svc.round(r)
             samples += m["samples_seen"]
-        return samples / (time.perf_counter() - t0)
+            train_s += m["train_s"]
+        wall = time.perf_counter() - t0
+        return {"samples": samples, "samples_per_s": samples / wall, "train_samples_per_s": samples / train_s,
+                "metrics": m}
     finally:
         svc.close()
+
+
+def ours(tmp: Path, cfg_path: Path, ranks: int, rounds: int, steps: int) -> float:
+    return ours_run(tmp, cfg_path, ranks, rounds, steps)["samples_per_s"]
 
 
 def handoff_seconds(tmp: Path, ranks: int) -> tuple[float, int]:
