@@ -147,5 +147,6 @@ def test_site_config_defaults_and_multi_node_fields():
     argv = torchrun_argv(m, "t.json", node_rank=1)
     assert "--nnodes=2" in argv and "--rdzv-backend=c10d" in argv and "--rdzv-endpoint=10.0.0.1:29400" in argv
     assert argv[-2:] == ["--node-rank", "1"] and m.world_size == 8
+    assert "--rdzv-conf=join_timeout=30" in torchrun_argv(m, "t.json", node_rank=1, join_timeout_s=30)
     with pytest.raises(ValueError, match="node_rank 2"):
         torchrun_argv(m, "t.json", node_rank=2)
