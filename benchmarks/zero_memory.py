@@ -26,6 +26,7 @@ Last line: RESULT zero2_vs_theory=<measured/theory> zero3_vs_theory=<measured/th
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import socket
 import sys
@@ -58,8 +59,9 @@ def _config(wl: WorkloadConfig, strategy: str, ranks: int, steps: int, backend: 
     return TrainerConfig(site=site, workload=wl, num_partitions=1, socket=f"{workdir}/unused.sock", workdir=workdir)
 
 
-def _one_round(cfg: TrainerConfig, global_handle: dict) -> None:
-    """Collective: build the trainer service and run one Train request through its own code."""
+def _one_round(cfg: TrainerConfig, global_handle: dict) -> dict:
+    """Collective: build the trainer service and run one Train request through its own code; the
+    reply's metrics on rank 0, {} elsewhere."""
     service = TrainerService(cfg)
     request = {"round": 1, "global": global_handle, "config": {"update_kind": "delta"}}
     reader = service._validated_global(request) if service.rank == 0 else None
@@ -70,6 +72,7 @@ def _one_round(cfg: TrainerConfig, global_handle: dict) -> None:
             reader.close()
     if service.rank == 0:
         handoff.release(reply["update"]["path"])
+    return reply.get("metrics", {})
 
 
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace, strategy: str, handles: dict,
@@ -84,14 +87,18 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, strategy: 
         # Warm-up round on a tiny model: the first run of every kernel pages torch's code in,
         # which is resident memory too but no part of what a strategy costs.
         _one_round(_config(_tiny(args), strategy, world, 1, backend, tmp), handles["tiny"])
+        gc.collect()  # FSDP's modules hold reference cycles: drop the warm-up trainer before the baseline
         before = _status_bytes("VmRSS")
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
         if args.cuda:
             torch.cuda.reset_peak_memory_stats()
             cuda_before = torch.cuda.memory_allocated()
-        _one_round(_config(_workload(args), strategy, world, args.steps, backend, tmp), handles["model"])
+        metrics = _one_round(_config(_workload(args), strategy, world, args.steps, backend, tmp), handles["model"])
         host = _status_bytes("VmHWM") - before
-        cuda = torch.cuda.max_memory_allocated() - cuda_before if args.cuda else 0
+        cuda = 0
+        if args.cuda:  # the trainer reads (and resets) the peak at the end of training: its figure covers
+            # build, load and training, max over ranks (rank 0's reply); the allocator's covers the rest
+            cuda = max(int(metrics.get("cuda_peak_bytes", 0)), torch.cuda.max_memory_allocated()) - cuda_before
     out.put((rank, host, cuda))
     dist.barrier()
     dist.destroy_process_group()

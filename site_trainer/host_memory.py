@@ -10,8 +10,9 @@ resident set reached 4.7x the 16P/K bytes of its model states; with this policy 
 
 The policy: tensors of 16 KiB and more get their own mapping, returned to the OS when freed
 (and the threshold stays fixed); the heap top is trimmed on every free and grows without padding.
-It costs a page fault per touched page of each new large tensor, which is why ddp ranks, which
-hold everything anyway, keep glibc's defaults. Other C libraries (musl) are left alone.
+It costs a page fault per touched page of each new large tensor, so only ZeRO ranks on the CPU
+use it: ddp ranks hold everything anyway, and on GPUs the model states are in device memory (host
+memory there holds batches and one hand-off tensor at a time). Other C libraries are left alone.
 """
 
 from __future__ import annotations

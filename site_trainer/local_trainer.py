@@ -31,9 +31,9 @@ class LocalTrainer:
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.strategy = s.strategy
-        if s.strategy in strategies.SHARDED:
-            host_memory.return_freed_memory_eagerly()
         self.device = strategies.device_for(s.backend)
+        if s.strategy in strategies.SHARDED and self.device.type == "cpu":  # ZeRO saving host memory
+            host_memory.return_freed_memory_eagerly()
         strategies.check_supported(s.strategy, s.backend, self.device)
         self.dtype = strategies.compute_dtype(s.mixed_precision, self.device)
         torch.manual_seed(cfg.seed)
@@ -102,15 +102,20 @@ class LocalTrainer:
         total, t0 = torch.zeros(2, dtype=torch.float64, device=self.device), time.perf_counter()
         for _ in range(steps):
             total += self.step([self.sample(s.batch_size) for _ in range(s.grad_accum)])
-        if self.world > 1:
-            dist.all_reduce(total)
-        total = total.cpu()  # waits for the device: train_s covers the work, not just its queuing
+        total = self._summed(total)  # waits for the device: train_s covers the work, not just its queuing
         seconds = time.perf_counter() - t0
         self.rounds_trained += 1
         out = {"loss": float(total[0] / total[1]), "steps": steps, "samples_seen": int(total[1]), "train_s": seconds}
         if self.device.type == "cuda":
             out["cuda_peak_bytes"] = self._peak_cuda_bytes()
         return out
+
+    def _summed(self, t: torch.Tensor) -> torch.Tensor:
+        """Collective: `t` summed over all ranks, returned on the CPU (NCCL reduces device tensors only)."""
+        if self.world > 1:
+            t = t.to(self.device)
+            dist.all_reduce(t)
+        return t.cpu()
 
     def _peak_cuda_bytes(self) -> int:
         """Collective: the largest `max_memory_allocated` of any rank since the last call (then reset)."""
@@ -138,8 +143,7 @@ class LocalTrainer:
             if real:
                 acc += torch.tensor([loss.item() * len(chunk), len(chunk), max(correct, 0)], dtype=torch.float64)
         strategies.after_forward_only(self.model, self.strategy)
-        if self.world > 1:
-            dist.all_reduce(acc)
+        acc = self._summed(acc)
         out = {"eval_loss": float(acc[0] / max(acc[1], 1)), "num_val_examples": int(acc[1])}
         if d.val_y.dtype == torch.long and d.val_y.dim() == 1:
             out["eval_accuracy"] = float(acc[2] / max(acc[1], 1))

@@ -255,23 +255,20 @@ def make_optimizer(params, name: str, lr: float,
     """SGD, or AdamW with the fused kernel: one pass per tensor and no model-sized temporary (the
     default foreach AdamW on GPUs allocates sqrt(v) for every parameter at once: 4P/K more bytes).
 
-    The optimizer's state is created here, not in the first `step()`: that step runs when every
-    gradient is alive, the worst moment to allocate 8P/K bytes of moments (and, on a GPU, to carve
-    them out of the caching allocator's blocks). It is created by one step on zero gradients, which
-    leaves every parameter exactly as it was (zero update, no weight decay), then the step
-    counters are put back to zero: the state is the one a fresh optimizer would create. The state
-    is allocated inside `state_placement()` (see `host_memory.long_lived`); the zero gradients,
-    which are dropped at once, are not.
+    AdamW's state is created here, not in the first `step()`: that step runs when every gradient is
+    alive, the worst moment to allocate 8P/K bytes of moments (and, on a GPU, to carve them out of
+    the caching allocator's blocks). It is exactly the state AdamW's first step would create (zero
+    moments, a float32 step counter on the parameter's device, as the fused kernel wants it;
+    tests/test_zero.py checks the two agree), allocated inside `state_placement()` (see
+    `host_memory.long_lived`).
     """
     params = list(params)
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr)
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True)
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    with state_placement():
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    for state in optimizer.state.values():
-        state["step"].zero_()
+    with state_placement(), torch.no_grad():
+        for p in params:
+            optimizer.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
+                                  "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                                  "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
     return optimizer
