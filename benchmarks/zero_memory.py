@@ -64,7 +64,7 @@ def _one_round(cfg: TrainerConfig, global_handle: dict) -> dict:
     reply's metrics on rank 0, {} elsewhere."""
     service = TrainerService(cfg)
     request = {"round": 1, "global": global_handle, "config": {"update_kind": "delta"}}
-    reader = service._validated_global(request) if service.rank == 0 else None
+    reader = service.open_global(request) if service.rank == 0 else None
     try:
         reply = service.run_command("Train", request, reader)
     finally:

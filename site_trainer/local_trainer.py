@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Callable
 
 import numpy as np

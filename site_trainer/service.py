@@ -35,7 +35,8 @@ import torch
 import torch.distributed as dist
 
 from site_trainer import endpoint, handoff
-from site_trainer.config import TrainerConfig
+from site_trainer.config import SiteConfig, TrainerConfig
+from site_trainer.launch import check_node_rank
 from site_trainer.local_trainer import LocalTrainer
 from site_trainer.strategies import StrategyUnavailable
 
@@ -115,35 +116,39 @@ class TrainerService:
                 self.commands.put(("Nudge", {}, None))  # checkpoint now that the residuals are here
         return {"ok": True, "arrays": len(self.site_state)}
 
-    def _validated_global(self, request: dict) -> handoff.Reader:
-        """Rank 0 checks the whole global model (layout, dtypes, finite) before any rank sees it.
-
-        Tensors are read one at a time and dropped (the load reads them again): checking costs one
-        tensor of memory, not a model's worth.
-        """
+    def open_global(self, request: dict) -> handoff.Reader:
+        """Rank 0: open the request's global model and check all of it before any rank sees it;
+        returns the open reader, for the load (RequestRejected says what is wrong)."""
         try:
             reader = handoff.Reader(handoff.Handle.from_json(request["global"]))
         except (KeyError, OSError, ValueError) as err:
             raise RequestRejected(f"cannot read the global model hand-off: {err}") from None
         try:
-            if list(reader) != self.names:
-                missing = sorted(set(self.names) - set(reader))
-                extra = sorted(set(reader) - set(self.names))
-                raise RequestRejected(f"global model does not match this site's model: missing {missing[:5]}, "
-                                      f"unexpected {extra[:5]}")
-            for e in reader.handle.entries:
-                want = self.spec[e.name]
-                if e.dtype != want[0] or e.shape != want[1]:
-                    raise RequestRejected(f"global tensor {e.name}: got {e.dtype}{e.shape}, expected {want[0]}{want[1]}")
-            for name in self.names:
-                if not np.isfinite(reader[name]).all():
-                    raise RequestRejected(f"global tensor {name} contains NaN or Inf")
-        except (RequestRejected, OSError, ValueError) as err:
+            self._check_global(reader)
+        except BaseException:
             reader.close()
-            if isinstance(err, RequestRejected):
-                raise
-            raise RequestRejected(f"cannot read the global model hand-off: {err}") from None
+            raise
         return reader
+
+    def _check_global(self, reader: handoff.Reader) -> None:
+        """Names, dtypes and shapes from the layout; then finite values, reading the tensors one at
+        a time and dropping each (the load reads them again): one tensor of memory, not a model's."""
+        if list(reader) != self.names:
+            missing = sorted(set(self.names) - set(reader))
+            extra = sorted(set(reader) - set(self.names))
+            raise RequestRejected(f"global model does not match this site's model: missing {missing[:5]}, "
+                                  f"unexpected {extra[:5]}")
+        for e in reader.handle.entries:
+            want = self.spec[e.name]
+            if e.dtype != want[0] or e.shape != want[1]:
+                raise RequestRejected(f"global tensor {e.name}: got {e.dtype}{e.shape}, expected {want[0]}{want[1]}")
+        for name in self.names:
+            try:
+                finite = np.isfinite(reader[name]).all()
+            except (OSError, ValueError) as err:
+                raise RequestRejected(f"cannot read global tensor {name} from the hand-off: {err}") from None
+            if not finite:
+                raise RequestRejected(f"global tensor {name} contains NaN or Inf")
 
     # ---- all ranks ------------------------------------------------------------------------
     def _pack_update(self, arrays: Mapping[str, np.ndarray] | None, kind: str, round_no: int
@@ -266,7 +271,7 @@ class TrainerService:
                 try:
                     if fut.cancelled():
                         raise RequestRejected("the caller gave up before the request was taken")
-                    arrays = self._validated_global(request)
+                    arrays = self.open_global(request)
                 except RequestRejected as err:
                     if not fut.cancelled():
                         fut.set_result({"ok": False, "error": f"site {self.cfg.site.id}: {err}"})
@@ -288,8 +293,10 @@ def init_process_group(cfg: TrainerConfig, node_rank: int) -> None:
     if site.nnodes == 1:
         dist.init_process_group(site.backend, timeout=PG_TIMEOUT, **gpu)
         return
-    if not 0 <= node_rank < site.nnodes:
-        raise SystemExit(f"site {site.id}: --node-rank {node_rank} is outside 0..{site.nnodes - 1}")
+    try:
+        check_node_rank(site, node_rank)
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
     world = int(os.environ["WORLD_SIZE"])
     if world != site.world_size or int(os.environ["LOCAL_WORLD_SIZE"]) != site.ranks:
         raise SystemExit(f"site {site.id}: torchrun formed {world} rank(s) with {os.environ['LOCAL_WORLD_SIZE']} "
@@ -298,7 +305,7 @@ def init_process_group(cfg: TrainerConfig, node_rank: int) -> None:
     dist.init_process_group(site.backend, rank=rank, world_size=world, timeout=PG_TIMEOUT, **gpu)
 
 
-def _bind_gpu(site) -> torch.device:
+def _bind_gpu(site: SiteConfig) -> torch.device:
     """One GPU per rank on its node (cuda:LOCAL_RANK), made current before NCCL starts, so that
     every collective, object broadcast and barrier of this rank runs on it."""
     if not torch.cuda.is_available():

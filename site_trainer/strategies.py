@@ -19,7 +19,7 @@ import functools
 import hashlib
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Callable
 
 import numpy as np
@@ -227,7 +227,7 @@ def load_full_state(module: nn.Module, device: torch.device, arrays: Mapping[str
                 local.copy_(_shard_of(full, local, rank, world))
             else:
                 t.copy_(full)
-            del full
+            del full  # freed before the next tensor is allocated
 
 
 def visit_full_state(module: nn.Module, visit: Callable[[str, torch.Tensor], None] | None) -> str:
@@ -249,7 +249,7 @@ def visit_full_state(module: nn.Module, visit: Callable[[str, torch.Tensor], Non
     return h.hexdigest()[:16]
 
 
-def make_optimizer(params, name: str, lr: float,
+def make_optimizer(params: Iterable[nn.Parameter], name: str, lr: float,
                    state_placement: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
                    ) -> torch.optim.Optimizer:
     """SGD, or AdamW with the fused kernel: one pass per tensor and no model-sized temporary (the
