@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -67,6 +68,16 @@ def environment(smoke: bool, nproc: int) -> str:
         print("world size 1 (one GPU): zero2/zero3 shard over a single rank, so they show FSDP2's overhead, "
               "not its memory savings")
     return "cuda"
+
+
+def check_handoff_space(model_bytes: int) -> None:
+    """The hand-off files (global model in, update out) live in /dev/shm: a container's default
+    64 MiB there would fail the first round, so say so before starting anything."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and shutil.disk_usage(shm).free < 3 * model_bytes:
+        raise SystemExit(f"gpu_throughput: /dev/shm has {shutil.disk_usage(shm).free / GIB:.2f} GiB free, the "
+                         f"hand-off needs about {3 * model_bytes / GIB:.2f} GiB (two model-sized files and slack); "
+                         "enlarge it (e.g. docker --shm-size=8g)")
 
 
 def check_placement(what: str, device: str, compute: str, want_device: str, want_compute: str) -> None:
@@ -111,6 +122,7 @@ def main() -> None:
     from site_trainer import workloads
 
     params = sum(a.size for a in workloads.initial_weights(wl, 0).values())
+    check_handoff_space(4 * params)
     print(f"model: byte-level GPT, {params:,} parameters ({wl.n_layer} blocks, width {wl.n_embd}, "
           f"{wl.n_head} heads, {wl.block_size} tokens); {args.batch} sequences per GPU per step, fused AdamW, "
           f"{site['mixed_precision']}; {args.rounds} timed rounds x {args.steps} steps", flush=True)

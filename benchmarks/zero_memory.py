@@ -12,7 +12,7 @@ resident set over that whole window (/proc VmHWM, reset after a warm-up round on
 minus the resident set before the trainer existed. That is everything the trainer allocated for
 this model (weights, gradients, moments, gathered blocks, activations, collective buffers, the
 allocator's slack), which is what the theory's bytes-per-rank promise is about. The batch is one
-16-token sequence, so activations stay a few percent of the model states, as the theory assumes.
+16-token sequence, so activations stay under a tenth of the model states, as the theory assumes.
 The hand-off files (global model in, update out; 4P bytes each, one pair per site) live in
 /dev/shm, owned by the relay: rank 0 copies through them with pread/pwrite, so they are in no
 rank's resident set and are listed separately. With --cuda, torch.cuda.max_memory_allocated over
@@ -144,6 +144,8 @@ def main() -> None:
     ap.add_argument("--strategies", default="ddp,zero2,zero3", help="comma-separated subset to measure")
     ap.add_argument("--cuda", action="store_true", help="NCCL, one GPU per rank; ratios from CUDA peak memory")
     args = ap.parse_args()
+    if args.cuda and not torch.cuda.is_available():
+        raise SystemExit("--cuda: no CUDA device is visible to torch; run without --cuda to measure on the CPU")
     if args.cuda and torch.cuda.device_count() < args.ranks:
         raise SystemExit(f"--cuda with --ranks {args.ranks} needs {args.ranks} GPUs (one per rank, as NCCL "
                          f"requires); this machine has {torch.cuda.device_count()}: pass --ranks "
@@ -173,6 +175,9 @@ def main() -> None:
     print(f"model: byte-level GPT, P={p:,} parameters, K={k} ranks ({'NCCL, GPU' if args.cuda else 'gloo, CPU'}), "
           f"AdamW fp32, one round of {args.steps} steps on 1x16 tokens per rank; measured: {where} over the "
           "round (build, load, train, update out) minus the level before the trainer existed")
+    print("why: the theory counts the bytes a rank must hold for weights, gradients and Adam moments; the peak "
+          "a rank needs from its machine over a whole round covers those plus everything else the trainer "
+          "allocates, so measured/theory is what a site pays on top of ZeRO's promise")
     print(f"hand-off files (relay's, /dev/shm, per site, in no rank's resident set): global model {4 * p / MIB:.1f} "
           f"MiB in, update {4 * p / MIB:.1f} MiB out")
     fmt = lambda s: f"{ratios[s]:.3f}" if s in ratios else "not-measured"  # noqa: E731
