@@ -1,83 +1,151 @@
-"""Tokens/s per GPU: the site trainer service against a plain torchrun script, same steps.
+"""Tokens/s per GPU of the site trainer service against a plain torchrun loop, NCCL and bf16.
 
-The small GPT workload scaled to about 125M parameters (byte vocabulary, 18 layers x 768), NCCL
-and bf16 autocast with fp32 master weights. The anchor is a plain torchrun DDP loop
-(benchmarks/_plain_ddp.py); ours is the trainer service driven exactly as the Flower relay drives
-it (global model into shared memory, Train over the Unix socket, update back), for strategies
-ddp, zero2 and zero3. Ours is reported twice: over whole rounds (hand-off of the 0.5 GB model in
-and out included) and over its training time only.
+Workload: the byte-level GPT (site_trainer/workloads/slm.py, vocabulary 256) scaled to about 125M
+parameters (18 blocks, width 768, 12 heads, 1024-token sequences), 16 sequences per GPU per step,
+fused AdamW, bf16 compute and gradient reduction with fp32 master weights. For each strategy
+(ddp, zero2, zero3):
+  plain — benchmarks/_plain_torchrun.py: DDP or FSDP2 written with torch alone, the same model,
+          data, batch, optimizer and precision, timed over rounds x steps steps after a warm-up;
+  ours  — the trainer service (`python -m site_trainer` under torchrun), driven as the Flower
+          relay drives it: per round the global model goes into a shared-memory hand-off file, a
+          Train request crosses the Unix socket, every rank loads the model, trains `--steps`
+          steps, and the update comes back through rank 0's hand-off file, read in full. One
+          warm-up round, then `--rounds` timed rounds; the time is the relay's wall time, so the
+          hand-off in both directions is included.
+Printed per variant: tokens/s per GPU and peak CUDA memory (max_memory_allocated, worst rank;
+plain: over the timed steps; ours: the largest of the timed rounds, each with its load and training).
 
-    python benchmarks/gpu_throughput.py              # on a GPU machine: all visible GPUs
-    python benchmarks/gpu_throughput.py --smoke      # CPU, gloo, a tiny model: checks the script
+    python benchmarks/gpu_throughput.py [--nproc N] [--steps 30] [--rounds 3] [--strategies ddp,zero2,zero3]
+    python benchmarks/gpu_throughput.py --smoke      # CPU, gloo, fp32, a tiny GPT: checks the machinery
 
-Last line: RESULT tokens_per_s_ours=<ddp, whole rounds> tokens_per_s_plain=<..> ratio=<ours/plain>
+On CUDA it uses NCCL and bf16 and refuses to run otherwise (no silent fall-back). With one GPU the
+world size is 1: zero2/zero3 then measure FSDP2's overhead, not its memory savings.
+Last line: RESULT tokens_per_s_ours=<..> tokens_per_s_plain=<..> ratio=<ours/plain>, the geometric
+means over the strategies run.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import shutil
 import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from trainer_overhead import ours_run, plain_run, trainer_config, workloads  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
+from _trainer_bench import Service, plain, trainer_config  # noqa: E402
 from site_trainer.config import WorkloadConfig  # noqa: E402
 
-GPT_125M = WorkloadConfig(name="slm", n_layer=18, n_head=12, n_embd=768, block_size=256,
-                          corpus_bytes_per_site=4_000_000)
-TINY = WorkloadConfig(name="slm", n_layer=2, n_head=2, n_embd=32, block_size=32, corpus_bytes_per_site=100_000)
+GIB = 2**30
+GPT_125M = WorkloadConfig(name="slm", n_layer=18, n_head=12, n_embd=768, block_size=1024,
+                          corpus_bytes_per_site=400_000)
+GPT_SMOKE = WorkloadConfig(name="slm", n_layer=2, n_head=2, n_embd=32, block_size=32, corpus_bytes_per_site=20_000)
+
+
+def environment(smoke: bool, nproc: int) -> str:
+    """Print what runs where; on CUDA, stop unless NCCL, bf16 and `nproc` GPUs are all there."""
+    print(f"torch {torch.__version__}", flush=True)
+    if smoke:
+        print(f"--smoke: CPU, gloo, fp32, {nproc} rank(s), a tiny GPT (checks the machinery; no GPU figures)")
+        return "cpu"
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_throughput: no CUDA device is visible to torch (torch.cuda.is_available() is False); "
+                         "this benchmark measures GPUs: run it on a GPU machine, or pass --smoke on CPU")
+    if not dist.is_nccl_available():
+        raise SystemExit(f"gpu_throughput: this torch ({torch.__version__}) has no NCCL; install a CUDA build of torch")
+    if torch.cuda.device_count() < nproc:
+        raise SystemExit(f"gpu_throughput: --nproc {nproc} needs {nproc} GPUs, {torch.cuda.device_count()} visible")
+    if not torch.cuda.is_bf16_supported():
+        raise SystemExit(f"gpu_throughput: {torch.cuda.get_device_name(0)} has no bf16; this benchmark is bf16 only")
+    print(f"CUDA {torch.version.cuda}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, "
+          f"{nproc} x {torch.cuda.get_device_name(0)}")
+    if nproc == 1:
+        print("world size 1 (one GPU): zero2/zero3 shard over a single rank, so they show FSDP2's overhead, "
+              "not its memory savings")
+    return "cuda"
+
+
+def check_handoff_space(model_bytes: int) -> None:
+    """The hand-off files (global model in, update out) live in /dev/shm: a container's default
+    64 MiB there would fail the first round, so say so before starting anything."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and shutil.disk_usage(shm).free < 3 * model_bytes:
+        raise SystemExit(f"gpu_throughput: /dev/shm has {shutil.disk_usage(shm).free / GIB:.2f} GiB free, the "
+                         f"hand-off needs about {3 * model_bytes / GIB:.2f} GiB (two model-sized files and slack); "
+                         "enlarge it (e.g. docker --shm-size=8g)")
+
+
+def check_placement(what: str, device: str, compute: str, want_device: str, want_compute: str) -> None:
+    if not device.startswith(want_device) or compute != want_compute:
+        raise SystemExit(f"gpu_throughput: {what} trained on {device} in {compute}, expected {want_device} in "
+                         f"{want_compute}; refusing to report figures for the wrong setup")
+
+
+def run_ours(tmp: Path, cfg_path: Path, rounds: int, world: int, block: int, want: tuple[str, str]) -> dict:
+    svc = Service(tmp, cfg_path, start_timeout_s=600)
+    try:
+        check_placement("the trainer service", svc.info["device"], svc.info["compute"], *want)
+        svc.round(0)  # warm-up: kernels, NCCL channels, the first hand-off
+        tokens, seconds, peak = 0, 0.0, 0
+        for r in range(1, rounds + 1):
+            wall, m = svc.round(r)
+            tokens += m["samples_seen"] * block
+            seconds += wall
+            peak = max(peak, int(m.get("cuda_peak_bytes", 0)))
+            train_s = m["train_s"]
+        return {"tokens_per_s": tokens / seconds / world, "cuda_peak_bytes": peak,
+                "train_share": train_s / wall}
+    finally:
+        svc.close()
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny model: a check of the script itself")
-    ap.add_argument("--nproc", type=int, default=None, help="ranks (default: every visible GPU)")
-    ap.add_argument("--steps", type=int, default=150, help="local steps per round")
-    ap.add_argument("--rounds", type=int, default=2, help="timed rounds (after one warm-up round)")
-    ap.add_argument("--batch", type=int, default=16, help="sequences per rank per step")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--nproc", type=int, default=1, help="GPUs (ranks) of the site, one node")
+    ap.add_argument("--steps", type=int, default=30, help="optimizer steps per round")
+    ap.add_argument("--rounds", type=int, default=3, help="timed rounds (plain: rounds x steps timed steps)")
+    ap.add_argument("--batch", type=int, default=16, help="sequences per GPU per step")
     ap.add_argument("--strategies", default="ddp,zero2,zero3")
+    ap.add_argument("--smoke", action="store_true", help="CPU, gloo, fp32, tiny GPT, few steps")
     args = ap.parse_args()
-
     if args.smoke:
-        wl, site, nproc = TINY, {"backend": "gloo"}, args.nproc or 2
-        print("SMOKE: CPU and gloo, tiny model; figures say nothing about GPUs")
-    else:
-        if not torch.cuda.is_available():
-            raise SystemExit("no CUDA device: run with --smoke on a CPU machine")
-        nproc = args.nproc or torch.cuda.device_count()
-        wl, site = GPT_125M, {"backend": "nccl", "mixed_precision": "bf16"}
-        print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, "
-              f"{nproc} x {torch.cuda.get_device_name(0)}")
-    params = sum(v.size for v in workloads.initial_weights(wl, 0).values())
-    tokens_per_step = args.batch * wl.block_size
-    print(f"model: {params / 1e6:.1f}M parameters, {nproc} rank(s) (world size {nproc}"
-          f"{': ddp, zero2 and zero3 shard over one rank, so they differ only in wrapping' if nproc == 1 else ''}), "
-          f"{args.rounds} rounds x {args.steps} steps, {tokens_per_step} tokens/step/rank", flush=True)
+        args.steps, args.rounds, args.batch = min(args.steps, 3), min(args.rounds, 2), min(args.batch, 4)
+    device = environment(args.smoke, args.nproc)
+    wl = GPT_SMOKE if args.smoke else GPT_125M
+    site = {"backend": "gloo", "mixed_precision": "fp32"} if args.smoke else {"backend": "nccl", "mixed_precision": "bf16"}
+    want = (device, site["mixed_precision"])
+    from site_trainer import workloads
 
+    params = sum(a.size for a in workloads.initial_weights(wl, 0).values())
+    check_handoff_space(4 * params)
+    print(f"model: byte-level GPT, {params:,} parameters ({wl.n_layer} blocks, width {wl.n_embd}, "
+          f"{wl.n_head} heads, {wl.block_size} tokens); {args.batch} sequences per GPU per step, fused AdamW, "
+          f"{site['mixed_precision']}; {args.rounds} timed rounds x {args.steps} steps", flush=True)
+    ours_all, plain_all = [], []
     with tempfile.TemporaryDirectory(prefix="sovfl-gpu-") as d:
         tmp = Path(d)
-        anchor_cfg = trainer_config(tmp, "plain", wl, nproc, args.steps, batch_size=args.batch, **site)
-        # the same untimed warm-up as ours (one round's steps), then the same timed steps
-        anchor = plain_run(anchor_cfg, nproc, args.rounds * args.steps, warmup=args.steps)
-        plain_tps = anchor["samples_per_s"] * wl.block_size / nproc
-        print(f"plain torchrun DDP:            {plain_tps:10,.0f} tokens/s/GPU   peak {anchor['peak_cuda_bytes'] / 2**30:.2f} GiB",
-              flush=True)
-        results = {}
         for strategy in args.strategies.split(","):
-            cfg = trainer_config(tmp, strategy, wl, nproc, args.steps, batch_size=args.batch, strategy=strategy, **site)
-            r = ours_run(tmp / f"o-{strategy}", cfg, nproc, args.rounds, args.steps)
-            results[strategy] = r
-            whole, train = (r[k] * wl.block_size / nproc for k in ("samples_per_s", "train_samples_per_s"))
-            print(f"ours {strategy:5s} whole rounds:       {whole:10,.0f} tokens/s/GPU   (training only {train:,.0f}; "
-                  f"loss {r['metrics']['loss']:.3f})", flush=True)
-        base = results.get("ddp") or next(iter(results.values()))
-        ours_tps = base["samples_per_s"] * wl.block_size / nproc
-        print(f"RESULT tokens_per_s_ours={ours_tps:.0f} tokens_per_s_plain={plain_tps:.0f} ratio={ours_tps / plain_tps:.3f}")
+            cfg_path = trainer_config(tmp, f"gpu-{strategy}", wl, args.nproc, args.steps, strategy=strategy,
+                                      batch_size=args.batch, lr=3e-4, **site)
+            p = plain(cfg_path, args.rounds * args.steps, warmup=args.steps)
+            check_placement("the plain loop", p["device"], p["compute"], *want)
+            p_tok = p["tokens_per_s"] / args.nproc
+            o = run_ours(tmp / f"svc-{strategy}", cfg_path, args.rounds, args.nproc, wl.block_size, want)
+            plain_all.append(p_tok)
+            ours_all.append(o["tokens_per_s"])
+            print(f"{strategy:<6} plain {p_tok:>10,.0f} tokens/s/GPU, peak {p['cuda_peak_bytes'] / GIB:6.2f} GiB | "
+                  f"ours {o['tokens_per_s']:>10,.0f} tokens/s/GPU, peak {o['cuda_peak_bytes'] / GIB:6.2f} GiB | "
+                  f"ratio {o['tokens_per_s'] / p_tok:.3f} (training {100 * o['train_share']:.0f}% of a round's "
+                  "relay time)", flush=True)
+    gmean = lambda xs: math.exp(sum(math.log(x) for x in xs) / len(xs))  # noqa: E731
+    o, p = gmean(ours_all), gmean(plain_all)
+    print(f"geometric means over {args.strategies} ({'CPU smoke run' if args.smoke else f'{args.nproc} GPU(s)'})")
+    print(f"RESULT tokens_per_s_ours={o:.0f} tokens_per_s_plain={p:.0f} ratio={o / p:.3f}")
 
 
 if __name__ == "__main__":

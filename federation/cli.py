@@ -11,6 +11,7 @@ from pathlib import Path
 from crypto.pki import CoordinatorBundle, provision
 from federation import launcher
 from federation.config import ConfigError, load_config
+from site_trainer.launch import RendezvousUnreachable, check_node_rank, wait_for_rendezvous
 
 
 def _on_sigterm(signum, frame):  # noqa: ARG001
@@ -100,31 +101,72 @@ def _site_auth_keys(bundle: Path, sites: list[str]) -> dict[str, Path]:
 
 
 def cmd_site(args: argparse.Namespace) -> int:
-    """A site machine: its trainer pool and its SuperNode, until Ctrl-C."""
+    """A site machine: its trainer pool and its SuperNode (node 0), or only its ranks (nodes >= 1)."""
     cfg = load_config(args.config)
-    bundle = _bundle_dir(args.bundle, f"site {args.site}")
-    if args.insecure:
-        print(launcher.INSECURE_WARNING, file=sys.stderr)
     site = next((s for s in cfg.sites if s.id == args.site), None)
     if site is None:
         raise ConfigError(f"{args.config}: no site '{args.site}'; known: {[s.id for s in cfg.sites]}")
+    try:
+        check_node_rank(site, args.node_rank)
+    except ValueError as err:
+        raise ConfigError(f"{args.config}: {err}") from None
+    if args.node_rank > 0:
+        return _site_node(args, cfg, site)
+    if not args.superlink:
+        raise ConfigError(f"site {site.id}: --superlink HOST:PORT (the coordinator) is required on node 0, which "
+                          "runs the SuperNode")
+    bundle = _bundle_dir(args.bundle, f"site {args.site}")
+    if args.insecure:
+        print(launcher.INSECURE_WARNING, file=sys.stderr)
     workdir = Path(args.workdir or f"runs/{cfg.federation.name}-site-{site.id}").resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     sock = args.socket or f"/tmp/sovfl-{site.id}-{int(time.time())}.sock"
     sup = launcher.Supervisor(workdir)
     try:
-        trainer = launcher.start_trainer(sup, site, cfg, sock)
-        launcher.wait_trainers({site.id: trainer}, {site.id: sock}, cfg.federation.deadlines.trainer_start_s, print)
+        start_s = cfg.federation.deadlines.trainer_start_s
+        trainer = launcher.start_trainer(sup, site, cfg, sock, join_timeout_s=start_s)
+        launcher.wait_trainers({site.id: trainer}, {site.id: sock}, start_s, print)
         node = launcher.start_supernode(sup, site, args.superlink, sock, bundle, args.insecure,
                                         launcher.site_attestation_config(cfg, site.id, workdir))
         print(f"site {site.id}: SuperNode connected to {args.superlink}; Ctrl-C to stop")
-        while trainer.alive() and node.alive():
-            time.sleep(1)
-        dead = trainer if not trainer.alive() else node
-        print(f"site {site.id}: {dead.name} exited with code {dead.popen.returncode}; see {dead.log}", file=sys.stderr)
-        return 1
+        return _supervise(site, [trainer, node])
     finally:
         sup.close()
+
+
+def _site_node(args: argparse.Namespace, cfg, site) -> int:
+    """Node N >= 1 of a multi-node site: only this node's torchrun, joining node 0's rendezvous.
+
+    No SuperNode and no endpoint here (global rank 0, on node 0, serves them), hence no bundle.
+    """
+    deadline = args.rdzv_timeout or cfg.federation.deadlines.trainer_start_s
+    workdir = Path(args.workdir or f"runs/{cfg.federation.name}-site-{site.id}").resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    print(f"site {site.id} node {args.node_rank}: waiting up to {deadline:g}s for node 0's rendezvous "
+          f"endpoint {site.rdzv_endpoint}")
+    try:
+        wait_for_rendezvous(site, deadline)
+    except RendezvousUnreachable as err:
+        raise launcher.LaunchError(str(err)) from None
+    sup = launcher.Supervisor(workdir)
+    try:
+        trainer = launcher.start_trainer(sup, site, cfg, args.socket or "", node_rank=args.node_rank,
+                                         join_timeout_s=deadline)
+        print(f"site {site.id} node {args.node_rank}: {site.ranks} rank(s) joining the rendezvous at "
+              f"{site.rdzv_endpoint}; Ctrl-C to stop (log: {trainer.log})")
+        return _supervise(site, [trainer])
+    finally:
+        sup.close()
+
+
+def _supervise(site, procs: list) -> int:
+    """Keep the site's processes running until one exits (an error: they serve until stopped)."""
+    while all(p.alive() for p in procs):
+        time.sleep(1)
+    dead = next(p for p in procs if not p.alive())
+    print(f"site {site.id}: {dead.name} exited with code {dead.popen.returncode}; see {dead.log}:\n"
+          f"{launcher.tail(dead.log)}", file=sys.stderr)
+    return 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -162,10 +204,17 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("site", help="run one site's trainer pool and SuperNode on this machine")
     t.add_argument("config")
     t.add_argument("--site", required=True, help="this site's id in the configuration")
-    t.add_argument("--superlink", required=True, help="the coordinator's HOST:PORT")
+    t.add_argument("--superlink", help="the coordinator's HOST:PORT (node 0 only)")
     t.add_argument("--socket", help="the trainer's Unix socket (default: under /tmp)")
-    t.add_argument("--workdir")
-    t.add_argument("--bundle", help="this site's provisioned bundle (OUT_DIR/sites/NAME)")
+    t.add_argument("--workdir", help="logs and the trainer's local checkpoints; multi-node sites that checkpoint "
+                                     "need the same path on storage every node shares")
+    t.add_argument("--bundle", help="this site's provisioned bundle (OUT_DIR/sites/NAME); node 0 only")
+    t.add_argument("--node-rank", type=int, default=0,
+                   help="multi-node sites: this node's index; 0 runs rank 0's endpoint and the SuperNode, "
+                        "1..nnodes-1 run only their ranks and join node 0's rendezvous")
+    t.add_argument("--rdzv-timeout", type=float,
+                   help="nodes >= 1: seconds to wait for node 0's rendezvous endpoint and for the nodes to "
+                        "join (default: deadlines.trainer_start_s)")
     t.add_argument("--insecure", action="store_true", help="no TLS and no SuperNode authentication (debug only)")
     t.set_defaults(fn=cmd_site)
     return p

@@ -178,14 +178,18 @@ def wait_port(proc: Proc, port: int, deadline_s: float = 60.0) -> None:
     raise LaunchError(f"{proc.name} did not listen on port {port} within {deadline_s:.0f}s; see {proc.log}")
 
 
-def start_trainer(sup: Supervisor, site: SiteConfig, cfg: ExperimentConfig, socket_path: str) -> Proc:
+def start_trainer(sup: Supervisor, site: SiteConfig, cfg: ExperimentConfig, socket_path: str, node_rank: int = 0,
+                  join_timeout_s: float | None = None) -> Proc:
+    """This node's torchrun of the site's trainer pool (node 0 serves `socket_path`)."""
     tcfg = TrainerConfig(site=site, workload=cfg.workload, num_partitions=len(cfg.sites),
                          seed=cfg.federation.seed, socket=socket_path,
                          workdir=str(sup.workdir / "sites" / site.id))
     Path(tcfg.workdir).mkdir(parents=True, exist_ok=True)
-    cfg_path = Path(tcfg.workdir) / "trainer.json"
+    node = f"-node{node_rank}" if node_rank else ""  # nodes may share the workdir: one file each
+    cfg_path = Path(tcfg.workdir) / f"trainer{node}.json"
     cfg_path.write_text(tcfg.model_dump_json(indent=2))
-    return sup.start(f"site-{site.id}-trainer", torchrun_argv(site, str(cfg_path)), {"OMP_NUM_THREADS": "1"})
+    return sup.start(f"site-{site.id}{node}-trainer", torchrun_argv(site, str(cfg_path), node_rank, None, join_timeout_s),
+                     {"OMP_NUM_THREADS": "1"})
 
 
 def start_supernode(sup: Supervisor, site: SiteConfig, superlink: str, socket_path: str,

@@ -3,12 +3,17 @@
 A model crosses the process boundary as one file in /dev/shm (RAM-backed): the writer lays the
 arrays out back to back and sends only the path and a small JSON layout over the socket; the
 reader maps the file and views each array in place. numpy only, so the torch-free relay can use it.
+
+The trainer's rank 0 uses `Reader` and `Writer` instead of mappings: it copies one array at a time
+with pread/pwrite, so a model's worth of shared pages never lands in a rank's resident set (the
+pages are the relay's file; per rank the trainer holds only its shards and one tensor in flight).
 """
 
 from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,38 +69,111 @@ def _create(size: int, tag: str, directory: str | Path | None) -> Path:
     return path
 
 
-def allocate(spec: dict[str, tuple[str, tuple[int, ...]]], tag: str = "x",
-             directory: str | Path | None = None) -> tuple[Handle, dict[str, np.ndarray]]:
-    """Create a file for arrays of the given (dtype, shape) and return writable views into it.
-
-    Lets the producer write results in place (torch copies straight into the views).
-    """
+def _layout(spec: dict[str, tuple[str, tuple[int, ...]]]) -> tuple[tuple[Entry, ...], int]:
     entries, offset = [], 0
     for name, (dtype, shape) in spec.items():
         e = Entry(name, np.dtype(dtype).str, tuple(int(x) for x in shape), offset)
         entries.append(e)
         offset += -(-e.nbytes // _ALIGN) * _ALIGN
-    handle = Handle(str(_create(offset, tag, directory)), tuple(entries))
-    return handle, map_arrays(handle, writable=True)
+    return tuple(entries), offset
 
 
-def write_arrays(arrays: dict[str, np.ndarray], tag: str = "x", directory: str | Path | None = None) -> Handle:
-    """Copy `arrays` into a fresh shared-memory file (one memcpy each) and return its handle."""
-    handle, views = allocate({n: (a.dtype.str, a.shape) for n, a in arrays.items()}, tag, directory)
-    for name, arr in arrays.items():
-        np.copyto(views[name], arr, casting="no")
-    return handle
+def _bytes_of(array: np.ndarray) -> memoryview:
+    """A flat byte view of a C-contiguous array (no copy), whatever its shape, empty ones included."""
+    return memoryview(array.reshape(-1).view(np.uint8))
 
 
-def map_arrays(handle: Handle, writable: bool = False) -> dict[str, np.ndarray]:
-    """View the arrays of `handle` in place (no copy). Valid while the file exists or is mapped."""
-    size = os.path.getsize(handle.path)
+def _check_size(handle: Handle, size: int) -> None:
     need = max((e.offset + e.nbytes for e in handle.entries), default=0)
     if need > size:
         raise ValueError(f"hand-off file {handle.path} holds {size} bytes but its layout needs {need}")
-    if not handle.entries or need == 0:
+
+
+class _File:
+    """An open hand-off file and its layout; closes with `close()` or a `with` block."""
+
+    def __init__(self, handle: Handle, flags: int):
+        self.handle = handle
+        self._entries = {e.name: e for e in handle.entries}
+        self._fd = os.open(handle.path, flags)
+
+    def _io(self, op, name: str, array: np.ndarray) -> None:
+        """pread/pwrite until done: one call moves at most ~2 GiB on Linux, and may move less."""
+        view, offset, done = _bytes_of(array), self._entries[name].offset, 0
+        while done < len(view):
+            n = op(self._fd, view[done:], offset + done)
+            if n <= 0:
+                raise ValueError(f"hand-off file {self.handle.path} ended at byte {offset + done} ({name})")
+            done += n
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Writer(_File):
+    """A fresh hand-off file for arrays of a given (dtype, shape), filled one array at a time."""
+
+    def __init__(self, spec: dict[str, tuple[str, tuple[int, ...]]], tag: str = "x", directory: str | Path | None = None):
+        entries, size = _layout(spec)
+        super().__init__(Handle(str(_create(size, tag, directory)), entries), os.O_WRONLY)
+
+    def write(self, name: str, array: np.ndarray) -> None:
+        e = self._entries[name]
+        if array.dtype.str != e.dtype or array.shape != e.shape:
+            raise ValueError(f"hand-off entry {name}: got {array.dtype.str}{array.shape}, layout says {e.dtype}{e.shape}")
+        self._io(os.pwrite, name, np.ascontiguousarray(array))
+
+
+def write_arrays(arrays: dict[str, np.ndarray], tag: str = "x", directory: str | Path | None = None) -> Handle:
+    """Copy `arrays` into a fresh shared-memory file (one copy each) and return its handle."""
+    with Writer({n: (a.dtype.str, a.shape) for n, a in arrays.items()}, tag, directory) as writer:
+        for name, arr in arrays.items():
+            writer.write(name, arr)
+    return writer.handle
+
+
+class Reader(_File, Mapping):
+    """The arrays of a hand-off file, each read into a fresh array when asked for (pread, no mapping).
+
+    Holds the file open, so it stays readable after the writer unlinks it.
+    """
+
+    def __init__(self, handle: Handle):
+        super().__init__(handle, os.O_RDONLY)
+        try:
+            _check_size(handle, os.fstat(self._fd).st_size)
+        except ValueError:
+            self.close()
+            raise
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        e = self._entries[name]
+        out = np.empty(e.shape, dtype=e.dtype)
+        self._io(lambda fd, view, offset: os.preadv(fd, [view], offset), name, out)
+        return out
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def map_arrays(handle: Handle) -> dict[str, np.ndarray]:
+    """View the arrays of `handle` in place (no copy). Valid while the file exists or is mapped."""
+    size = os.path.getsize(handle.path)
+    _check_size(handle, size)
+    if not handle.entries or size == 0 or all(e.nbytes == 0 for e in handle.entries):
         return {e.name: np.empty(e.shape, dtype=e.dtype) for e in handle.entries}
-    buf = np.memmap(handle.path, dtype=np.uint8, mode="r+" if writable else "r", shape=(size,))
+    buf = np.memmap(handle.path, dtype=np.uint8, mode="r", shape=(size,))
     return {e.name: buf[e.offset : e.offset + e.nbytes].view(e.dtype).reshape(e.shape) for e in handle.entries}
 
 

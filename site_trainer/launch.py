@@ -1,39 +1,78 @@
 """How a site's trainer pool is started: the torchrun command line for one node of a site.
 
 Single-node sites use `--standalone`. Multi-node sites start one torchrun per node, joined by
-torchrun's c10d rendezvous at `rdzv_endpoint` (node 0's host:port); the node's rank goes to the
-trainer (`--node-rank`), which numbers global ranks by node, since c10d ignores torchrun's own
-`--node-rank`. On the nodes other than 0, an operator runs
-
-    python -m site_trainer.launch --config trainer.json --node-rank 1
-
-with the same trainer.json (its socket is used by node 0 only).
+torchrun's c10d rendezvous at `rdzv_endpoint` (node 0's host:port, where node 0's torchrun hosts
+the store); the node's rank goes to the trainer (`--node-rank`), which numbers global ranks by
+node, since c10d ignores torchrun's own `--node-rank`. Nodes other than 0 are started with
+`sovfl site CONFIG --site ID --node-rank N` (or, from node 0's trainer.json,
+`python -m site_trainer.launch --config trainer.json --node-rank N`); both first wait, up to a
+deadline, for node 0's rendezvous endpoint to accept connections.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
+import time
 from pathlib import Path
 
 from site_trainer.config import SiteConfig, TrainerConfig
 
 
-def torchrun_argv(site: SiteConfig, config_path: str, node_rank: int = 0, rdzv_id: str | None = None) -> list[str]:
-    """`python -m torch.distributed.run ... -m site_trainer --config PATH` for this site's ranks on one node."""
+class RendezvousUnreachable(RuntimeError):
+    """Node 0's rendezvous endpoint did not accept a connection before the deadline."""
+
+
+def torchrun_argv(site: SiteConfig, config_path: str, node_rank: int = 0, rdzv_id: str | None = None,
+                  join_timeout_s: float | None = None) -> list[str]:
+    """`python -m torch.distributed.run ... -m site_trainer --config PATH` for this site's ranks on one node.
+
+    `join_timeout_s` bounds how long a multi-node torchrun waits for the other nodes to join
+    (torchrun's own default is 600 s).
+    """
     if site.nnodes == 1:
         return [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={site.ranks}",
             "-m", "site_trainer", "--config", config_path,
         ]
-    if not 0 <= node_rank < site.nnodes:
-        raise ValueError(f"site {site.id}: node_rank {node_rank} is outside 0..{site.nnodes - 1}")
+    check_node_rank(site, node_rank)
+    conf = [f"--rdzv-conf=join_timeout={int(join_timeout_s)}"] if join_timeout_s else []
     return [
         sys.executable, "-m", "torch.distributed.run", f"--nnodes={site.nnodes}", f"--nproc-per-node={site.ranks}",
         "--rdzv-backend=c10d", f"--rdzv-endpoint={site.rdzv_endpoint}", f"--rdzv-id={rdzv_id or 'sovfl-' + site.id}",
-        "-m", "site_trainer", "--config", config_path, "--node-rank", str(node_rank),
+        *conf, "-m", "site_trainer", "--config", config_path, "--node-rank", str(node_rank),
     ]
+
+
+def check_node_rank(site: SiteConfig, node_rank: int) -> None:
+    if site.nnodes == 1 and node_rank != 0:
+        raise ValueError(f"site {site.id} is a single-node site (nnodes: 1): --node-rank {node_rank} does not apply; "
+                         "set nnodes and rdzv_endpoint in the site's configuration for a multi-node site")
+    if not 0 <= node_rank < site.nnodes:
+        raise ValueError(f"site {site.id}: node_rank {node_rank} is outside 0..{site.nnodes - 1} "
+                         f"(the site has nnodes: {site.nnodes})")
+
+
+def wait_for_rendezvous(site: SiteConfig, deadline_s: float) -> None:
+    """Block until node 0's rendezvous endpoint accepts TCP connections (node 0 must start first)."""
+    host, port = site.rdzv_endpoint.rsplit(":", 1)
+    host = host.strip("[]")
+    end = time.monotonic() + deadline_s
+    last = "no attempt"
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=min(2.0, max(0.1, end - time.monotonic()))):
+                return
+        except OSError as err:
+            last = err.strerror or str(err)
+        if time.monotonic() >= end:
+            raise RendezvousUnreachable(
+                f"site {site.id}: node 0's rendezvous endpoint {site.rdzv_endpoint} did not accept a connection "
+                f"within {deadline_s:g}s ({last}); start node 0 first (`sovfl site` without --node-rank) and "
+                "check that this node can reach that host and port")
+        time.sleep(0.5)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -41,13 +80,21 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m site_trainer.launch", description=main.__doc__)
     parser.add_argument("--config", required=True, help="the site's TrainerConfig JSON (same file on every node)")
     parser.add_argument("--node-rank", type=int, default=0, help="0 on the node that serves the endpoint")
+    parser.add_argument("--rdzv-timeout", type=float, default=300.0,
+                        help="seconds a node other than 0 waits for node 0's rendezvous endpoint (default 300)")
     parser.add_argument("--print", action="store_true", help="print the command instead of running it")
     args = parser.parse_args(argv)
     cfg = TrainerConfig.model_validate_json(Path(args.config).read_text())
-    cmd = torchrun_argv(cfg.site, str(Path(args.config).resolve()), node_rank=args.node_rank)
-    if args.print:
-        print(" ".join(cmd))
-        return
+    try:
+        cmd = torchrun_argv(cfg.site, str(Path(args.config).resolve()), node_rank=args.node_rank,
+                            join_timeout_s=args.rdzv_timeout)
+        if args.print:
+            print(" ".join(cmd))
+            return
+        if args.node_rank > 0:
+            wait_for_rendezvous(cfg.site, args.rdzv_timeout)
+    except (ValueError, RendezvousUnreachable) as err:
+        raise SystemExit(f"python -m site_trainer.launch: {err}") from None
     os.execv(cmd[0], cmd)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Callable
 
@@ -15,7 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from site_trainer import local_checkpoint, strategies, workloads
+from site_trainer import host_memory, local_checkpoint, strategies, workloads
 from site_trainer.config import TrainerConfig
 
 log = logging.getLogger("sovfl.trainer")
@@ -31,6 +32,8 @@ class LocalTrainer:
         self.world = dist.get_world_size()
         self.strategy = s.strategy
         self.device = strategies.device_for(s.backend)
+        if s.strategy in strategies.SHARDED and self.device.type == "cpu":  # ZeRO saving host memory
+            host_memory.return_freed_memory_eagerly()
         strategies.check_supported(s.strategy, s.backend, self.device)
         self.dtype = strategies.compute_dtype(s.mixed_precision, self.device)
         torch.manual_seed(cfg.seed)
@@ -46,14 +49,10 @@ class LocalTrainer:
             module.to(self.device)
         self.model = strategies.wrap(module, s.strategy, self.dtype, s.activation_checkpointing, self.device)
         if sharded:
-            module.to_empty(device=self.device)
-            if self.rank == 0:
-                init = workloads.initial_weights(cfg.workload, cfg.seed)
-            strategies.load_full_state(self.model, module, s.strategy, init if self.rank == 0 else None)
+            with host_memory.long_lived():
+                strategies.materialize_shards(module, self.device)
+        self.optimizer = strategies.make_optimizer(self.model.parameters(), s.optimizer, s.lr, host_memory.long_lived)
         self.module = module
-        params = self.model.parameters()
-        self.optimizer = (torch.optim.SGD(params, lr=s.lr) if s.optimizer == "sgd"
-                          else torch.optim.AdamW(params, lr=s.lr, weight_decay=0.0))
         self.train_idx = torch.arange(len(self.data.train_y))[self.rank :: self.world]
         self.val_idx = torch.arange(len(self.data.val_y))[self.rank :: self.world]
         if len(self.train_idx) == 0:
@@ -66,9 +65,9 @@ class LocalTrainer:
                      ", activation checkpointing" if s.activation_checkpointing else "")
 
     # ---- the round ------------------------------------------------------------------------
-    def load_global(self, arrays: dict[str, np.ndarray] | None) -> None:
+    def load_global(self, arrays: Mapping[str, np.ndarray] | None) -> None:
         """Collective: rank 0 holds the validated global model in `arrays`; every rank gets it."""
-        strategies.load_full_state(self.model, self.module, self.strategy, arrays)
+        strategies.load_full_state(self.module, self.device, arrays)
 
     def sample(self, size: int) -> Batch:
         pick = self.train_idx[torch.randint(len(self.train_idx), (size,), generator=self.gen)]
@@ -78,17 +77,20 @@ class LocalTrainer:
         """Collective: one optimizer step over `micro_batches`, syncing gradients only on the last.
 
         Each micro-batch loss is divided by the number of micro-batches, so k equal micro-batches
-        give the gradient of one batch k times larger. Returns [sum of loss x samples, samples].
+        give the gradient of one batch k times larger. Returns [sum of loss x samples, samples] on
+        the training device: reading it back is left to the caller, once per round, so that a GPU
+        never waits for the host between steps.
         """
         k = len(micro_batches)
-        total = torch.zeros(2, dtype=torch.float64)
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
         for i, (x, y) in enumerate(micro_batches):
             x, y = x.to(self.device), y.to(self.device)
             with strategies.gradient_sync(self.model, self.strategy, sync=i == k - 1):
                 with strategies.autocast(self.strategy, self.device, self.dtype):
                     loss, _ = self.loss_fn(self.model, x, y)
                 (loss.float() / k).backward()
-            total += torch.tensor([loss.item() * len(y), len(y)], dtype=torch.float64)
+            total[0] += loss.detach().double() * len(y)
+            total[1] += len(y)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return total
@@ -97,14 +99,31 @@ class LocalTrainer:
         """Collective: `steps` optimizer steps of `grad_accum` sampled micro-batches each."""
         s = self.cfg.site
         self.model.train()
-        total, t0 = torch.zeros(2, dtype=torch.float64), time.perf_counter()
+        total, t0 = torch.zeros(2, dtype=torch.float64, device=self.device), time.perf_counter()
         for _ in range(steps):
             total += self.step([self.sample(s.batch_size) for _ in range(s.grad_accum)])
+        total = self._summed(total)  # waits for the device: train_s covers the work, not just its queuing
         seconds = time.perf_counter() - t0
-        if self.world > 1:
-            dist.all_reduce(total)
         self.rounds_trained += 1
-        return {"loss": float(total[0] / total[1]), "steps": steps, "samples_seen": int(total[1]), "train_s": seconds}
+        out = {"loss": float(total[0] / total[1]), "steps": steps, "samples_seen": int(total[1]), "train_s": seconds}
+        if self.device.type == "cuda":
+            out["cuda_peak_bytes"] = self._peak_cuda_bytes()
+        return out
+
+    def _summed(self, t: torch.Tensor) -> torch.Tensor:
+        """Collective: `t` summed over all ranks, returned on the CPU (NCCL reduces device tensors only)."""
+        if self.world > 1:
+            t = t.to(self.device)
+            dist.all_reduce(t)
+        return t.cpu()
+
+    def _peak_cuda_bytes(self) -> int:
+        """Collective: the largest `max_memory_allocated` of any rank since the last call (then reset)."""
+        peak = torch.tensor([torch.cuda.max_memory_allocated(self.device)], dtype=torch.float64, device=self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        if self.world > 1:
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        return int(peak.item())
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -124,8 +143,7 @@ class LocalTrainer:
             if real:
                 acc += torch.tensor([loss.item() * len(chunk), len(chunk), max(correct, 0)], dtype=torch.float64)
         strategies.after_forward_only(self.model, self.strategy)
-        if self.world > 1:
-            dist.all_reduce(acc)
+        acc = self._summed(acc)
         out = {"eval_loss": float(acc[0] / max(acc[1], 1)), "num_val_examples": int(acc[1])}
         if d.val_y.dtype == torch.long and d.val_y.dim() == 1:
             out["eval_accuracy"] = float(acc[2] / max(acc[1], 1))
@@ -135,7 +153,7 @@ class LocalTrainer:
     def gather(self, visit: Callable[[str, torch.Tensor], None] | None = None) -> list[str]:
         """Collective: walk the full weights (rank 0 passes `visit` to pack them) and return every
         rank's digest. See `strategies.visit_full_state` for what a digest covers."""
-        mine = strategies.visit_full_state(self.module, self.strategy, visit)
+        mine = strategies.visit_full_state(self.module, visit)
         if self.world == 1:
             return [mine]
         out: list = [None] * self.world

@@ -25,6 +25,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
@@ -34,7 +35,8 @@ import torch
 import torch.distributed as dist
 
 from site_trainer import endpoint, handoff
-from site_trainer.config import TrainerConfig
+from site_trainer.config import SiteConfig, TrainerConfig
+from site_trainer.launch import check_node_rank
 from site_trainer.local_trainer import LocalTrainer
 from site_trainer.strategies import StrategyUnavailable
 
@@ -81,6 +83,9 @@ class TrainerService:
             "site": self.cfg.site.id,
             "workdir": self.cfg.workdir,  # the relay keeps the downlink reference model there
             "ranks": self.world,
+            "strategy": self.cfg.site.strategy,
+            "device": str(self.trainer.device),
+            "compute": "bf16" if self.trainer.dtype == torch.bfloat16 else "fp32",
             "num_examples": int(len(self.trainer.data.train_y)),
             "num_val_examples": int(len(self.trainer.data.val_y)),
             "spec": {n: [d, list(shape)] for n, (d, shape) in self.spec.items()},
@@ -112,47 +117,67 @@ class TrainerService:
                 self.commands.put(("Nudge", {}, None))  # checkpoint now that the residuals are here
         return {"ok": True, "arrays": len(self.site_state)}
 
-    def _validated_global(self, request: dict) -> dict[str, np.ndarray]:
+    def open_global(self, request: dict) -> handoff.Reader:
+        """Rank 0: open the request's global model and check all of it before any rank sees it;
+        returns the open reader, for the load (RequestRejected says what is wrong)."""
         try:
-            arrays = handoff.map_arrays(handoff.Handle.from_json(request["global"]))
+            reader = handoff.Reader(handoff.Handle.from_json(request["global"]))
         except (KeyError, OSError, ValueError) as err:
             raise RequestRejected(f"cannot read the global model hand-off: {err}") from None
-        if list(arrays) != self.names:
-            missing = sorted(set(self.names) - set(arrays))
-            extra = sorted(set(arrays) - set(self.names))
-            raise RequestRejected(f"global model does not match this site's model: missing {missing[:5]}, unexpected {extra[:5]}")
-        for name, arr in arrays.items():
-            want = self.spec[name]
-            if arr.dtype.str != want[0] or arr.shape != want[1]:
-                raise RequestRejected(f"global tensor {name}: got {arr.dtype.str}{arr.shape}, expected {want[0]}{want[1]}")
-            if not np.isfinite(arr).all():
+        try:
+            self._check_global(reader)
+        except BaseException:
+            reader.close()
+            raise
+        return reader
+
+    def _check_global(self, reader: handoff.Reader) -> None:
+        """Names, dtypes and shapes from the layout; then finite values, reading the tensors one at
+        a time and dropping each (the load reads them again): one tensor of memory, not a model's."""
+        if list(reader) != self.names:
+            missing = sorted(set(self.names) - set(reader))
+            extra = sorted(set(reader) - set(self.names))
+            raise RequestRejected(f"global model does not match this site's model: missing {missing[:5]}, "
+                                  f"unexpected {extra[:5]}")
+        for e in reader.handle.entries:
+            want = self.spec[e.name]
+            if e.dtype != want[0] or e.shape != want[1]:
+                raise RequestRejected(f"global tensor {e.name}: got {e.dtype}{e.shape}, expected {want[0]}{want[1]}")
+        for name in self.names:
+            try:
+                finite = np.isfinite(reader[name]).all()
+            except (OSError, ValueError) as err:
+                raise RequestRejected(f"cannot read global tensor {name} from the hand-off: {err}") from None
+            if not finite:
                 raise RequestRejected(f"global tensor {name} contains NaN or Inf")
-        return arrays
 
     # ---- all ranks ------------------------------------------------------------------------
-    def _pack_update(self, arrays: dict[str, np.ndarray] | None, kind: str, round_no: int
+    def _pack_update(self, arrays: Mapping[str, np.ndarray] | None, kind: str, round_no: int
                      ) -> tuple[handoff.Handle | None, list[str]]:
         """Collective: stream the full weights into rank 0's hand-off file (weights or delta), one
         tensor at a time; every rank returns the digests of every rank."""
-        handle = views = None
-        if self.rank == 0:
-            handle, views = handoff.allocate(self.spec, tag=f"{self.cfg.site.id}-update")
+        writer = handoff.Writer(self.spec, tag=f"{self.cfg.site.id}-update") if self.rank == 0 else None
 
         def put(name: str, t: torch.Tensor) -> None:
-            out = torch.from_numpy(views[name])
+            out = t.numpy()
             if kind == "delta":
-                torch.sub(t, torch.from_numpy(arrays[name]), out=out)
-            else:
-                out.copy_(t)
+                out = arrays[name]  # a fresh copy of the global tensor: subtract in place
+                np.subtract(t.numpy(), out, out=out)
+            writer.write(name, out)
 
-        digests = self.trainer.gather(put if self.rank == 0 else None)
-        if self.rank == 0 and self.cfg.site.dump_updates:
+        try:
+            digests = self.trainer.gather(put if writer is not None else None)
+        finally:
+            if writer is not None:
+                writer.close()
+        handle = writer.handle if writer is not None else None
+        if handle is not None and self.cfg.site.dump_updates:
             dump = Path(self.cfg.workdir) / "updates"
             dump.mkdir(parents=True, exist_ok=True)
-            np.savez(dump / f"round_{round_no:04d}.npz", **views)
+            np.savez(dump / f"round_{round_no:04d}.npz", **handoff.map_arrays(handle))
         return handle, digests
 
-    def run_command(self, method: str, request: dict, arrays: dict[str, np.ndarray] | None) -> dict:
+    def run_command(self, method: str, request: dict, arrays: Mapping[str, np.ndarray] | None) -> dict:
         """Executed by every rank in lock-step; rank 0 (which holds `arrays`) builds the answer."""
         t0 = time.perf_counter()
         self.trainer.load_global(arrays)
@@ -203,7 +228,11 @@ class TrainerService:
                     self.trainer.save_checkpoint(ckpt_round, site_state)
                 if method == "Heartbeat":
                     continue
-                reply = self.run_command(method, request, arrays)
+                try:
+                    reply = self.run_command(method, request, arrays)
+                finally:
+                    if arrays is not None:
+                        arrays.close()
                 if fut is not None and not fut.set_running_or_notify_cancel():
                     handoff.release((reply.get("update") or {}).get("path"))  # nobody waits any more
                     handoff.release((reply.get("state") or {}).get("path"))
@@ -243,7 +272,7 @@ class TrainerService:
                 try:
                     if fut.cancelled():
                         raise RequestRejected("the caller gave up before the request was taken")
-                    arrays = self._validated_global(request)
+                    arrays = self.open_global(request)
                 except RequestRejected as err:
                     if not fut.cancelled():
                         fut.set_result({"ok": False, "error": f"site {self.cfg.site.id}: {err}"})
@@ -261,19 +290,37 @@ class TrainerService:
 def init_process_group(cfg: TrainerConfig, node_rank: int) -> None:
     """Join the site's process group from torchrun's environment, ranks numbered by node."""
     site = cfg.site
-    if site.backend == "nccl" and not torch.cuda.is_available():
-        raise SystemExit(f"site {site.id}: backend 'nccl' needs CUDA GPUs; use backend 'gloo' on CPU")
+    gpu = {"device_id": _bind_gpu(site)} if site.backend == "nccl" else {}
     if site.nnodes == 1:
-        dist.init_process_group(site.backend, timeout=PG_TIMEOUT)
+        dist.init_process_group(site.backend, timeout=PG_TIMEOUT, **gpu)
         return
-    if not 0 <= node_rank < site.nnodes:
-        raise SystemExit(f"site {site.id}: --node-rank {node_rank} is outside 0..{site.nnodes - 1}")
+    try:
+        check_node_rank(site, node_rank)
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
     world = int(os.environ["WORLD_SIZE"])
     if world != site.world_size or int(os.environ["LOCAL_WORLD_SIZE"]) != site.ranks:
         raise SystemExit(f"site {site.id}: torchrun formed {world} rank(s) with {os.environ['LOCAL_WORLD_SIZE']} "
                          f"per node, the config says {site.nnodes} node(s) x {site.ranks}")
     rank = node_rank * site.ranks + int(os.environ["LOCAL_RANK"])
-    dist.init_process_group(site.backend, rank=rank, world_size=world, timeout=PG_TIMEOUT)
+    dist.init_process_group(site.backend, rank=rank, world_size=world, timeout=PG_TIMEOUT, **gpu)
+
+
+def _bind_gpu(site: SiteConfig) -> torch.device:
+    """One GPU per rank on its node (cuda:LOCAL_RANK), made current before NCCL starts, so that
+    every collective, object broadcast and barrier of this rank runs on it."""
+    if not torch.cuda.is_available():
+        raise SystemExit(f"site {site.id}: backend 'nccl' needs CUDA GPUs; use backend 'gloo' on CPU")
+    if not dist.is_nccl_available():
+        raise SystemExit(f"site {site.id}: backend 'nccl' is not built into this torch ({torch.__version__}); "
+                         "install a CUDA build of torch or use backend 'gloo'")
+    local_rank, gpus = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+    if local_rank >= gpus:
+        raise SystemExit(f"site {site.id}: {site.ranks} rank(s) per node need one GPU each, this node has {gpus}; "
+                         f"set ranks to at most {gpus}")
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    return device
 
 
 def run(cfg: TrainerConfig, node_rank: int = 0) -> None:

@@ -19,7 +19,8 @@ import functools
 import hashlib
 import logging
 import os
-from typing import Callable, Iterator
+from collections.abc import Iterable, Mapping
+from typing import Callable
 
 import numpy as np
 import torch
@@ -27,7 +28,6 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.nn.utils import parameters_to_vector
 from torch.utils.checkpoint import checkpoint
 
 log = logging.getLogger("sovfl.trainer")
@@ -183,61 +183,92 @@ def after_forward_only(model: nn.Module, strategy: str) -> None:
                 m.reshard()
 
 
-def load_full_state(model: nn.Module, module: nn.Module, strategy: str, arrays: dict[str, np.ndarray] | None) -> None:
-    """Give every rank the global model that rank 0 holds in `arrays` (None on other ranks).
+def materialize_shards(module: nn.Module, device: torch.device) -> None:
+    """Give a meta-built, sharded module storage for this rank's shards only, zero-filled.
 
-    DDP: rank 0 copies in, one flat broadcast. ZeRO: torch's `set_model_state_dict` with
-    `broadcast_from_rank0` sends one tensor at a time and each rank keeps only its shard, so no
-    rank but 0 ever holds the full model.
+    The real weights arrive with every request (`load_full_state`) or from a local checkpoint;
+    until then the shards hold zeros rather than uninitialized memory.
     """
-    if strategy in SHARDED:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        full = {n: torch.from_numpy(np.array(a)) for n, a in arrays.items()} if dist.get_rank() == 0 else {}
-        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-        return
-    tensors = list(module.state_dict().values())
+    module.to_empty(device=device)
     with torch.no_grad():
-        if dist.get_rank() == 0:
-            for t, name in zip(tensors, module.state_dict().keys()):
-                t.copy_(torch.from_numpy(arrays[name]))
-        if dist.get_world_size() > 1:
-            flat = parameters_to_vector(tensors)
-            dist.broadcast(flat, src=0)
-            offset = 0
-            for t in tensors:  # copy in place: the tensors share storage with the model
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+        for t in module.state_dict().values():
+            (t.to_local() if isinstance(t, DTensor) else t).zero_()
 
 
-def full_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each state-dict entry as a full CPU tensor, one at a time (a collective per sharded entry).
+def _shard_of(full: torch.Tensor, local: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """This rank's part of `full` under FSDP2's layout: dim-0 chunks over all ranks, as torch.chunk
+    cuts them (the last ranks may hold an empty one)."""
+    chunks = full.chunk(world, dim=0)
+    mine = chunks[rank] if rank < len(chunks) else full[:0]
+    if mine.shape != local.shape:
+        raise RuntimeError(f"shard layout mismatch: rank {rank} of {world} holds {tuple(local.shape)} of "
+                           f"{tuple(full.shape)}, expected {tuple(mine.shape)} (dim-0 sharding over all ranks)")
+    return mine
 
-    Every rank must iterate to the end. Only one gathered tensor is alive at a time, so a rank
-    never holds the full model because of this; rank 0 streams it straight into the hand-off file.
+
+def load_full_state(module: nn.Module, device: torch.device, arrays: Mapping[str, np.ndarray] | None) -> None:
+    """Collective: every rank gets the global model that rank 0 reads from `arrays` (None elsewhere).
+
+    One tensor at a time, whatever the strategy: rank 0 reads it (from the hand-off file, see
+    `handoff.Reader`), broadcasts it, and each rank copies in what it keeps, the whole tensor under
+    ddp, its shard under ZeRO. No rank ever holds more of the full model than one tensor of it.
     """
-    for name, t in module.state_dict().items():
-        full = t.full_tensor() if isinstance(t, DTensor) else t
-        yield name, full.detach().cpu()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with torch.no_grad():
+        for name, t in module.state_dict().items():
+            if rank == 0:
+                full = torch.from_numpy(np.asarray(arrays[name])).to(device=device, dtype=t.dtype)
+            else:
+                full = torch.empty(t.shape, dtype=t.dtype, device=device)
+            if world > 1:
+                dist.broadcast(full, src=0)
+            if isinstance(t, DTensor):
+                local = t.to_local()
+                local.copy_(_shard_of(full, local, rank, world))
+            else:
+                t.copy_(full)
+            del full  # freed before the next tensor is allocated
 
 
-def visit_full_state(module: nn.Module, strategy: str, visit: Callable[[str, torch.Tensor], None] | None) -> str:
-    """Walk the full weights in state-dict order, calling `visit` on each; return their digest.
+def visit_full_state(module: nn.Module, visit: Callable[[str, torch.Tensor], None] | None) -> str:
+    """Collective under ZeRO: walk the full weights in state-dict order, one CPU tensor at a time,
+    calling `visit` on each; return their digest.
 
-    The digest is sha256 (16 hex chars) of the fp32 bytes of all entries, back to back: under
-    DDP of this rank's replica, under ZeRO of the full model as this rank assembles it from every
-    shard. Equal for equal weights whatever the strategy.
+    Each sharded tensor is all-gathered, visited and dropped before the next, so no rank holds the
+    full model because of this (rank 0 streams it straight into the hand-off file). The digest is
+    sha256 (16 hex chars) of the fp32 bytes of all entries, back to back: under DDP of this rank's
+    replica, under ZeRO of the full model as this rank assembles it from every shard. Equal for
+    equal weights whatever the strategy.
     """
     h = hashlib.sha256()
-    if strategy in SHARDED:
-        for name, full in full_tensors(module):
-            h.update(full.numpy().tobytes())
-            if visit is not None:
-                visit(name, full)
-    else:
-        tensors = list(module.state_dict().items())
-        h.update(parameters_to_vector([t for _, t in tensors]).detach().cpu().numpy().tobytes())
+    for name, t in module.state_dict().items():
+        full = (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().contiguous()
+        h.update(full.numpy())
         if visit is not None:
-            for name, t in tensors:
-                visit(name, t.detach().cpu())
+            visit(name, full)
     return h.hexdigest()[:16]
+
+
+def make_optimizer(params: Iterable[nn.Parameter], name: str, lr: float,
+                   state_placement: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+                   ) -> torch.optim.Optimizer:
+    """SGD, or AdamW with the fused kernel: one pass per tensor and no model-sized temporary (the
+    default foreach AdamW on GPUs allocates sqrt(v) for every parameter at once: 4P/K more bytes).
+
+    AdamW's state is created here, not in the first `step()`: that step runs when every gradient is
+    alive, the worst moment to allocate 8P/K bytes of moments (and, on a GPU, to carve them out of
+    the caching allocator's blocks). It is exactly the state AdamW's first step would create (zero
+    moments, a float32 step counter on the parameter's device, as the fused kernel wants it;
+    tests/test_zero.py checks the two agree), allocated inside `state_placement()` (see
+    `host_memory.long_lived`).
+    """
+    params = list(params)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True)
+    with state_placement(), torch.no_grad():
+        for p in params:
+            optimizer.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
+                                  "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                                  "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+    return optimizer

@@ -145,14 +145,18 @@ def test_ctrl_c_tears_everything_down(tmp_path, marker):
 
 
 def test_coordinator_and_sites_as_separate_commands(tmp_path, marker):
-    """The deployment path of the README: `sovfl coordinator` and one `sovfl site` per site."""
+    """The deployment path of the README: `sovfl coordinator` and one `sovfl site` per site, where
+    paris is a two-node site (2 nodes x 1 rank): its node 0 runs rank 0's endpoint and the SuperNode,
+    its node 1 (`sovfl site --node-rank 1`, started first, so it waits for node 0's rendezvous
+    endpoint) runs only its torchrun and rank."""
+    from federation.launcher import free_port
+
+    paris = _site(0, "paris", 1, nnodes=2, rdzv_endpoint=f"127.0.0.1:{free_port()}")
     cfg = {"federation": {"name": "deploy", "rounds": 1, "quorum": 2,
                           "deadlines": {"connect_s": 120, "round_s": 60, "evaluate_s": 60}},
            "workload": {"name": "digits", "hidden": 8},
-           "sites": [_site(0, "paris", 1), _site(1, "frankfurt", 1)]}
+           "sites": [paris, _site(1, "frankfurt", 1)]}
     path = write_config(tmp_path / "deploy.yaml", cfg)
-    from federation.launcher import free_port
-
     port = free_port()
     env = {**os.environ, "SOVFL_RUN_MARKER": marker}
     pki = tmp_path / "pki"
@@ -163,6 +167,9 @@ def test_coordinator_and_sites_as_separate_commands(tmp_path, marker):
     refused = subprocess.run([sys.executable, "-m", "federation.cli", "coordinator", str(path)],
                              capture_output=True, text=True, cwd=ROOT, env=env, timeout=60)
     assert refused.returncode == 2 and "--bundle" in refused.stderr
+    node1 = subprocess.Popen([sys.executable, "-m", "federation.cli", "site", str(path), "--site", "paris",
+                              "--node-rank", "1", "--workdir", str(tmp_path / "paris-node1")],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
     coord = subprocess.Popen([sys.executable, "-m", "federation.cli", "coordinator", str(path), "--host", "127.0.0.1",
                               "--port", str(port), "--workdir", str(tmp_path / "coord"),
                               "--bundle", str(pki / "coordinator")],
@@ -176,14 +183,20 @@ def test_coordinator_and_sites_as_separate_commands(tmp_path, marker):
         out, _ = coord.communicate(timeout=300)
         assert coord.returncode == 0, out
         assert "RESULT rounds=1" in out and "signed updates required" in out
-        for s in sites:
+        line = json.loads((tmp_path / "coord" / "metrics.jsonl").read_text().splitlines()[0])
+        digests = line["sites"]["paris"]["rank_digests"]
+        assert len(digests) == 2 and len(set(digests)) == 1  # both nodes' ranks trained the same model
+        for s in (node1, *sites):
             assert s.poll() is None  # sites keep serving until stopped
             s.send_signal(signal.SIGINT)
         for s in sites:
             s_out, _ = s.communicate(timeout=60)
             assert "SuperNode connected" in s_out and s.returncode == 130, s_out
+        n_out, _ = node1.communicate(timeout=60)
+        assert node1.returncode == 130 and "joining the rendezvous" in n_out, n_out
+        assert "SuperNode" not in n_out and not list((tmp_path / "paris-node1" / "logs").glob("*supernode*"))
     finally:
-        for p in (coord, *sites):
+        for p in (coord, *sites, node1):
             if p.poll() is None:
                 p.kill()
     assert live_marked(marker) == []

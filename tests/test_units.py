@@ -81,12 +81,39 @@ def test_handoff_roundtrip_without_pickle(tmp_path):
         handoff.Handle.from_json({"path": "x"})
 
 
+def test_handoff_reader_copies_one_array_at_a_time_and_outlives_the_file(tmp_path):
+    """What trainer rank 0 uses: pread into fresh arrays, no mapping; readable after the unlink."""
+    arrays = {"a": np.arange(12, dtype=np.float32).reshape(3, 4), "s": np.array(2.5, np.float32),
+              "e": np.zeros((2, 0), np.float32)}
+    h = handoff.write_arrays(arrays, "t", tmp_path)
+    with handoff.Reader(h) as reader:
+        handoff.release(h.path)
+        assert list(reader) == list(arrays) and len(reader) == 3
+        for k, v in arrays.items():
+            got = reader[k]
+            np.testing.assert_array_equal(got, v)
+            assert got.shape == v.shape and got.flags.writeable
+            got[...] = 0  # a copy: the file is untouched
+        np.testing.assert_array_equal(reader["a"], arrays["a"])
+
+
+def test_handoff_writer_refuses_a_tensor_of_another_layout(tmp_path):
+    with handoff.Writer({"w": ("<f4", (2, 2))}, "t", tmp_path) as writer:
+        with pytest.raises(ValueError, match=r"hand-off entry w: got <f8\(2, 2\), layout says <f4\(2, 2\)"):
+            writer.write("w", np.zeros((2, 2)))
+        writer.write("w", np.ones((2, 2), np.float32))
+    np.testing.assert_array_equal(handoff.map_arrays(writer.handle)["w"], np.ones((2, 2)))
+    handoff.release(writer.handle.path)
+
+
 def test_handoff_rejects_short_file(tmp_path):
     h = handoff.write_arrays({"a": np.ones(100, np.float32)}, "t", tmp_path)
     with open(h.path, "r+b") as f:
         f.truncate(10)
     with pytest.raises(ValueError, match="needs"):
         handoff.map_arrays(h)
+    with pytest.raises(ValueError, match="needs"):
+        handoff.Reader(h)
 
 
 def test_endpoint_unavailable_and_long_socket(tmp_path):

@@ -147,5 +147,29 @@ def test_site_config_defaults_and_multi_node_fields():
     argv = torchrun_argv(m, "t.json", node_rank=1)
     assert "--nnodes=2" in argv and "--rdzv-backend=c10d" in argv and "--rdzv-endpoint=10.0.0.1:29400" in argv
     assert argv[-2:] == ["--node-rank", "1"] and m.world_size == 8
+    assert "--rdzv-conf=join_timeout=30" in torchrun_argv(m, "t.json", node_rank=1, join_timeout_s=30)
     with pytest.raises(ValueError, match="node_rank 2"):
         torchrun_argv(m, "t.json", node_rank=2)
+
+
+def test_adamw_state_made_up_front_is_the_state_its_first_step_makes():
+    """make_optimizer creates AdamW's moments before training (not at the first step, when every
+    gradient is alive); two steps later weights and state equal those of torch's own lazy start."""
+    torch.manual_seed(0)
+    shapes = [(8, 4), (4,), (3, 5)]
+    ours = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = strategies.make_optimizer(ours, "adamw", 1e-2)
+    assert all(opt.state[p]["exp_avg"].abs().sum() == 0 for p in ours)
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.0, fused=True)
+    for _ in range(2):
+        for a, b in zip(ours, ref):
+            a.grad = torch.randn(a.shape)
+            b.grad = a.grad.clone()
+        opt.step()
+        ref_opt.step()
+    for a, b in zip(ours, ref):
+        assert torch.equal(a, b)
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            got, want = opt.state[a][key], ref_opt.state[b][key]
+            assert got.dtype == want.dtype and got.device == want.device and torch.equal(got, want), key

@@ -1,0 +1,103 @@
+"""The anchor for the trainer benchmarks: a plain torchrun training loop written with torch alone.
+
+Same model, data, batch, optimizer (fused AdamW), strategy and precision as the site trainer
+config it is given, but none of the trainer's code: DDP (with autocast and torch's bf16 gradient
+compression hook for bf16) or FSDP2's `fully_shard` per transformer block (bf16 parameters and
+reductions, fp32 master weights), on the config's backend (NCCL: one GPU per rank).
+
+    torchrun --nproc-per-node K benchmarks/_plain_torchrun.py TRAINER_JSON STEPS [WARMUP_STEPS]
+
+Rank 0 prints one JSON line: samples and tokens per second over the timed steps (after the
+untimed warm-up), the peak CUDA memory of any rank, the device and the compute dtype.
+"""
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from site_trainer import workloads
+from site_trainer.config import TrainerConfig
+
+
+def build(cfg: TrainerConfig, device: torch.device, dtype: torch.dtype | None):
+    model = workloads.make_model(cfg.workload, cfg.seed).to(device)
+    if cfg.site.strategy == "ddp":
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        if dtype is not None:
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+            model.register_comm_hook(dist.group.WORLD, bf16_compress_hook)
+        return model
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+    for block in model.blocks:
+        fully_shard(block, reshard_after_forward=cfg.site.strategy == "zero3", mp_policy=mp)
+    return fully_shard(model, reshard_after_forward=cfg.site.strategy == "zero3", mp_policy=mp)
+
+
+def main() -> None:
+    cfg = TrainerConfig.model_validate_json(Path(sys.argv[1]).read_text())
+    steps, warmup = int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else 0
+    site = cfg.site
+    torch.set_num_threads(1)
+    if site.backend == "nccl":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    dtype = torch.bfloat16 if site.mixed_precision == "bf16" else None
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(cfg.seed)
+    data = workloads.build_data(cfg.workload, site.partition, cfg.num_partitions, cfg.seed)
+    loss_fn = workloads.loss_fn(cfg.workload)
+    model = build(cfg, device, dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=site.lr, weight_decay=0.0, fused=True)
+    idx = torch.arange(len(data.train_y))[rank::world]
+    gen = torch.Generator().manual_seed(rank)
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype is not None and site.strategy == "ddp")
+
+    def run(n: int) -> None:
+        for _ in range(n):
+            for _ in range(site.grad_accum):
+                pick = idx[torch.randint(len(idx), (site.batch_size,), generator=gen)]
+                x, y = data.train_x[pick].to(device), data.train_y[pick].to(device)
+                with autocast:
+                    loss, _ = loss_fn(model, x, y)
+                (loss.float() / site.grad_accum).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    run(warmup)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    dist.barrier()
+    t0 = time.perf_counter()
+    run(steps)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier()
+    seconds = time.perf_counter() - t0
+    peak = torch.tensor([torch.cuda.max_memory_allocated() if device.type == "cuda" else 0], device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        samples = steps * site.grad_accum * site.batch_size * world
+        tokens = samples * (cfg.workload.block_size if cfg.workload.name == "slm" else 1)
+        print(json.dumps({"samples": samples, "seconds": seconds, "samples_per_s": samples / seconds,
+                          "tokens_per_s": tokens / seconds, "cuda_peak_bytes": int(peak.item()),
+                          "device": str(device), "compute": "bf16" if dtype is not None else "fp32"}), flush=True)
+    dist.barrier()  # leave together (see tests/test_zero_worker.py)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
