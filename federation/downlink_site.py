@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 from flwr.app import RecordDict
 
 from federation.downlink import DIGEST_KEY, RECORD, Arrays, DownlinkError, reconstruct
@@ -46,11 +45,7 @@ class ReferenceStore:
         """Write `arrays` as the new reference and make it current; old files are removed."""
         self.dir.mkdir(parents=True, exist_ok=True)
         old = self.load()
-        handle, views = handoff.allocate({k: (v.dtype.str, v.shape) for k, v in arrays.items()},
-                                         tag="reference", directory=self.dir)
-        for name, arr in arrays.items():
-            np.copyto(views[name], arr, casting="no")
-        del views
+        handle = handoff.write_arrays(arrays, tag="reference", directory=self.dir)
         _fsync(handle.path)  # on disk before the index names it: a power cut cannot leave a torn model
         tmp = self.index.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"digest": digest, "handle": handle.to_json()}))
