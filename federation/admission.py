@@ -17,7 +17,6 @@ coordinator has expired.
 from __future__ import annotations
 
 import datetime as dt
-import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -32,7 +31,6 @@ from federation.attestation_config import CoordinatorAttestation
 if TYPE_CHECKING:
     from federation.coordinator import Coordinator
 
-log = logging.getLogger("sovfl.admission")
 
 
 class UnknownSite(AttestationError):

@@ -20,7 +20,7 @@ from crypto.attestation.models import unb64url
 from crypto.attestation.testing import GOOD_MEASUREMENT, LocalTokenAttester, LocalTokenIssuer
 from crypto.pki import CoordinatorBundle, SiteBundle, provision
 from crypto.pki.keys import raw_public
-from federation import client_app, site_attestation
+from federation import client_app
 from federation.attestation_config import AttestationConfig, resolve
 from federation.config import parse_config
 from federation.coordinator import Coordinator
