@@ -34,16 +34,16 @@ from threadpoolctl import threadpool_limits
 
 from crypto.secagg import SecAggConfig, new_context
 from crypto.secagg.simulation import run_round
-from federation.aggregate import WeightedMean
-from federation.codecs import parse_codec
-from federation.client_app import encode_update
-from federation.config import ExperimentConfig
-from federation.coordinator import Coordinator, Site
-from federation.downlink import DIGEST_KEY, RECORD, reconstruct
-from federation.pipeline import RoundContext, check_update
-from federation.secagg_round import context_run_id, round_weights
-from federation.secagg_site import values_vector
-from federation.wire import from_records, to_records
+from federation.coordinator.aggregate import WeightedMean
+from federation.protocol.codecs import parse_codec
+from federation.site.client_app import encode_update
+from federation.config.schema import ExperimentConfig
+from federation.coordinator.driver import Coordinator, Site
+from federation.protocol.downlink_steps import DIGEST_KEY, RECORD, reconstruct
+from federation.protocol.pipeline import RoundContext, check_update
+from federation.coordinator.secagg_round import context_run_id, round_weights
+from federation.site.secagg_mod import values_vector
+from federation.protocol.payload_records import from_records, to_records
 
 
 @dataclass(frozen=True)

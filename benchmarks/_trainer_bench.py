@@ -20,7 +20,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from federation.launcher import Supervisor, wait_trainers  # noqa: E402
+from federation.ops.launcher import Supervisor, wait_trainers  # noqa: E402
 from site_trainer import endpoint, handoff, workloads  # noqa: E402
 from site_trainer.config import SiteConfig, TrainerConfig, WorkloadConfig  # noqa: E402
 

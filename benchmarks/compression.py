@@ -29,9 +29,9 @@ from flwr.app import RecordDict
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._fedsim import run_fedavg  # noqa: E402
-from federation.codecs import RoundContext, UpdateSpec, parse_codec, shared_indices  # noqa: E402
-from federation.downlink import DIGEST_KEY, RECORD, DownlinkSender, reconstruct  # noqa: E402
-from federation.wire import from_records  # noqa: E402
+from federation.protocol.codecs import RoundContext, UpdateSpec, parse_codec, shared_indices  # noqa: E402
+from federation.protocol.downlink_steps import DIGEST_KEY, RECORD, DownlinkSender, reconstruct  # noqa: E402
+from federation.protocol.payload_records import from_records  # noqa: E402
 
 CODECS = [
     "identity",

@@ -6,8 +6,8 @@ import argparse
 
 import torch
 
-from federation.checkpoint import load_checkpoint
-from federation.config import load_config
+from federation.coordinator.checkpoint import load_checkpoint
+from federation.config.schema import load_config
 from site_trainer.workloads import make_model
 
 

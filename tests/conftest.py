@@ -25,13 +25,13 @@ def _env(env: dict | None) -> dict:
 
 def sovfl(*args: str, env: dict | None = None, timeout: float = 600, **kw) -> subprocess.CompletedProcess:
     """Run the `sovfl` CLI to completion, output captured."""
-    return subprocess.run([sys.executable, "-m", "federation.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "federation.ops.cli", *args], capture_output=True, text=True,
                           env=_env(env), timeout=timeout, cwd=ROOT, **kw)
 
 
 def sovfl_popen(*args: str, env: dict | None = None) -> subprocess.Popen:
     """Start the `sovfl` CLI in the background, stdout and stderr merged."""
-    return subprocess.Popen([sys.executable, "-m", "federation.cli", *args], stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "federation.ops.cli", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=_env(env), cwd=ROOT)
 
 
@@ -41,7 +41,7 @@ def marker() -> str:
 
 
 def live_marked(marker: str) -> list[int]:
-    from federation.launcher import marked_pids
+    from federation.ops.launcher import marked_pids
 
     return marked_pids(marker)
 
@@ -55,7 +55,7 @@ def assert_weighted_mean_rounds(run: Path, sites: set[str], ranks: int, rounds: 
 
     import numpy as np
 
-    from federation.checkpoint import load_checkpoint
+    from federation.coordinator.checkpoint import load_checkpoint
 
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [x["status"] for x in lines] == ["aggregated"] * rounds

@@ -20,11 +20,11 @@ from crypto.attestation.models import unb64url
 from crypto.attestation.testing import GOOD_MEASUREMENT, LocalTokenAttester, LocalTokenIssuer
 from crypto.pki import CoordinatorBundle, SiteBundle, provision
 from crypto.pki.keys import raw_public
-from federation import client_app
-from federation.attestation_config import AttestationConfig, resolve
-from federation.config import parse_config
-from federation.coordinator import Coordinator
-from federation.coordinator import Site as CoordSite
+from federation.site import client_app
+from federation.config.attestation_config import AttestationConfig, resolve
+from federation.config.schema import parse_config
+from federation.coordinator.driver import Coordinator
+from federation.coordinator.driver import Site as CoordSite
 from test_secagg_workflow import FakeGrid
 
 

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from conftest import live_marked, sovfl, write_config
-from federation.client_app import encode_update
-from federation.codec_stage import CodecStage, round_seed
-from federation.codecs import UpdateSpec
-from federation.pipeline import Pipeline, RoundContext, UpdateRejected
+from federation.site.client_app import encode_update
+from federation.protocol.update_codec import CodecStage, round_seed
+from federation.protocol.codecs import UpdateSpec
+from federation.protocol.pipeline import Pipeline, RoundContext, UpdateRejected
 
 
 def _update(seed=0):

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from federation.codecs import (
+from federation.protocol.codecs import (
     CodecConfig,
     CodecConfigError,
     CodecStateError,
@@ -30,7 +30,7 @@ from federation.codecs import (
     unpack_bits,
     validate_for_protection,
 )
-from federation.codecs.bitpack import rice_decode, rice_encode
+from federation.protocol.codecs.bitpack import rice_decode, rice_encode
 
 ALL_SPECS = [
     "identity",
@@ -68,7 +68,7 @@ def flat(update: dict[str, np.ndarray]) -> np.ndarray:
 
 def test_import_stays_free_of_torch_and_flwr() -> None:
     code = (
-        "import sys, federation.codecs; "
+        "import sys, federation.protocol.codecs; "
         "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'flwr')]; "
         "assert not bad, bad"
     )

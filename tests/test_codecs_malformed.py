@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from federation.codecs import (
+from federation.protocol.codecs import (
     CodecError,
     DuplicateIndexError,
     Encoded,

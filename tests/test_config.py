@@ -7,7 +7,7 @@ import copy
 import pytest
 
 from conftest import sovfl, write_config
-from federation.config import ConfigError, load_config
+from federation.config.schema import ConfigError, load_config
 
 GOOD = {
     "federation": {"name": "t", "rounds": 2, "quorum": 2},

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 from flwr.app import RecordDict
 
-from federation.codecs import UpdateSpec
-from federation.config import parse_config
-from federation.coordinator import Coordinator, Site
-from federation.downlink import DIGEST_KEY, RECORD, DownlinkError, reconstruct
-from federation.downlink_site import ReferenceStore, receive_global
-from federation.wire import from_records, to_records
+from federation.protocol.codecs import UpdateSpec
+from federation.config.schema import parse_config
+from federation.coordinator.driver import Coordinator, Site
+from federation.protocol.downlink_steps import DIGEST_KEY, RECORD, DownlinkError, reconstruct
+from federation.site.downlink_mod import ReferenceStore, receive_global
+from federation.protocol.payload_records import from_records, to_records
 from site_trainer import handoff
 
 SHAPES = {"0.weight": (32, 64), "0.bias": (32,), "2.weight": (10, 32), "2.bias": (10,)}

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, assert_weighted_mean_rounds, live_marked, sovfl, sovfl_popen, write_config
-from federation.checkpoint import load_checkpoint
+from federation.coordinator.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.e2e
 
@@ -40,7 +40,7 @@ def test_three_sites_two_ranks_weighted_mean_is_exact(tmp_path, marker):
     lines = assert_weighted_mean_rounds(run, {"paris", "frankfurt", "milan"}, ranks=2, rounds=2)
     assert all(line["bytes_up"] > 0 and line["bytes_down"] > 0 for line in lines)
     # training really moved the model (a relay that echoed the global model would pass the mean check)
-    from federation.config import load_config
+    from federation.config.schema import load_config
     from site_trainer.workloads import initial_weights
 
     init = initial_weights(load_config(path).workload, 0)
@@ -149,7 +149,7 @@ def test_coordinator_and_sites_as_separate_commands(tmp_path, marker):
     paris is a two-node site (2 nodes x 1 rank): its node 0 runs rank 0's endpoint and the SuperNode,
     its node 1 (`sovfl site --node-rank 1`, started first, so it waits for node 0's rendezvous
     endpoint) runs only its torchrun and rank."""
-    from federation.launcher import free_port
+    from federation.ops.launcher import free_port
 
     paris = _site(0, "paris", 1, nnodes=2, rdzv_endpoint=f"127.0.0.1:{free_port()}")
     cfg = {"federation": {"name": "deploy", "rounds": 1, "quorum": 2,
@@ -160,21 +160,21 @@ def test_coordinator_and_sites_as_separate_commands(tmp_path, marker):
     port = free_port()
     env = {**os.environ, "SOVFL_RUN_MARKER": marker}
     pki = tmp_path / "pki"
-    prov = subprocess.run([sys.executable, "-m", "federation.cli", "provision", str(pki), "--site", "paris",
+    prov = subprocess.run([sys.executable, "-m", "federation.ops.cli", "provision", str(pki), "--site", "paris",
                            "--site", "frankfurt"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=60)
     assert prov.returncode == 0, prov.stderr
     # without a bundle (and without --insecure) the coordinator refuses to start
-    refused = subprocess.run([sys.executable, "-m", "federation.cli", "coordinator", str(path)],
+    refused = subprocess.run([sys.executable, "-m", "federation.ops.cli", "coordinator", str(path)],
                              capture_output=True, text=True, cwd=ROOT, env=env, timeout=60)
     assert refused.returncode == 2 and "--bundle" in refused.stderr
-    node1 = subprocess.Popen([sys.executable, "-m", "federation.cli", "site", str(path), "--site", "paris",
+    node1 = subprocess.Popen([sys.executable, "-m", "federation.ops.cli", "site", str(path), "--site", "paris",
                               "--node-rank", "1", "--workdir", str(tmp_path / "paris-node1")],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
-    coord = subprocess.Popen([sys.executable, "-m", "federation.cli", "coordinator", str(path), "--host", "127.0.0.1",
+    coord = subprocess.Popen([sys.executable, "-m", "federation.ops.cli", "coordinator", str(path), "--host", "127.0.0.1",
                               "--port", str(port), "--workdir", str(tmp_path / "coord"),
                               "--bundle", str(pki / "coordinator")],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
-    sites = [subprocess.Popen([sys.executable, "-m", "federation.cli", "site", str(path), "--site", name,
+    sites = [subprocess.Popen([sys.executable, "-m", "federation.ops.cli", "site", str(path), "--site", name,
                                "--superlink", f"127.0.0.1:{port}", "--workdir", str(tmp_path / name),
                                "--socket", str(tmp_path / f"{name}.sock"), "--bundle", str(pki / "sites" / name)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)

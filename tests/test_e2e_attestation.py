@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from conftest import assert_weighted_mean_rounds, live_marked, write_config
-from federation import launcher
-from federation.checkpoint import load_checkpoint
+from federation.ops import launcher
+from federation.coordinator.checkpoint import load_checkpoint
 from wiretap import WireTap, found, windows
 
 pytestmark = pytest.mark.e2e

@@ -30,9 +30,9 @@ import pytest
 
 from conftest import live_marked, write_config
 from crypto.secagg import FixedPointCodec
-from federation import launcher
-from federation.checkpoint import load_checkpoint
-from federation.config import load_config
+from federation.ops import launcher
+from federation.coordinator.checkpoint import load_checkpoint
+from federation.config.schema import load_config
 from wiretap import WireTap, found, windows
 
 pytestmark = pytest.mark.e2e

@@ -7,8 +7,8 @@ import pytest
 
 from crypto.envelope import ReplayGuard
 from crypto.pki import CoordinatorBundle, SiteBundle, provision, revoke
-from federation.pipeline import Payload, RoundContext, UpdateRejected
-from federation.protection import CoordinatorProtection, SiteProtection, pack, unpack
+from federation.protocol.pipeline import Payload, RoundContext, UpdateRejected
+from federation.protocol.envelope_stage import CoordinatorProtection, SiteProtection, pack, unpack
 
 
 @pytest.fixture(scope="module")

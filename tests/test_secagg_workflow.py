@@ -20,13 +20,13 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from crypto.pki import CoordinatorBundle
 from crypto.secagg import FixedPointCodec, SecAggConfig
-from federation import secagg_site
-from federation.codec_stage import CodecStage, round_seed
-from federation.codecs import UpdateSpec
-from federation.config import parse_config
-from federation.coordinator import Coordinator
-from federation.pipeline import Payload, Pipeline, RoundContext
-from federation.secagg_round import CHUNKS, RECORD, SecAggRound, parse_chunks, round_weights
+from federation.site import secagg_mod as secagg_site
+from federation.protocol.update_codec import CodecStage, round_seed
+from federation.protocol.codecs import UpdateSpec
+from federation.config.schema import parse_config
+from federation.coordinator.driver import Coordinator
+from federation.protocol.pipeline import Payload, Pipeline, RoundContext
+from federation.coordinator.secagg_round import CHUNKS, RECORD, SecAggRound, parse_chunks, round_weights
 
 RUN_ID = 4242
 SHAPES = {"w": (6, 5), "b": (5,), "z": (3,)}

@@ -19,8 +19,8 @@ from crypto.secagg import wire
 from crypto.secagg.context import RoundContext as SecAggContext
 from crypto.secagg.keys import KeyPair
 from crypto.secagg.signing import CHANNELS, ChunkManifest, Signature, SignatureRejected, sign, verify
-from federation import secagg_site
-from federation.secagg_round import CHUNKS, RECORD
+from federation.site import secagg_mod as secagg_site
+from federation.coordinator.secagg_round import CHUNKS, RECORD
 from test_secagg_workflow import _task_identity, check_exact, make  # noqa: F401 (autouse fixture)
 
 SITES = list("abcde")

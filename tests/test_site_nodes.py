@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import sovfl, write_config
-from federation.launcher import free_port
+from federation.ops.launcher import free_port
 
 
 @pytest.fixture

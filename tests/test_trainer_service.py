@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from federation.launcher import Supervisor, wait_trainers
+from federation.ops.launcher import Supervisor, wait_trainers
 from site_trainer import endpoint, handoff, workloads
 from site_trainer.config import SiteConfig, TrainerConfig, WorkloadConfig
 

@@ -8,9 +8,9 @@ import sys
 import numpy as np
 import pytest
 
-from federation.aggregate import ServerOptimizer, WeightedMean
-from federation.checkpoint import load_checkpoint, save_checkpoint
-from federation.pipeline import UpdateRejected, check_update
+from federation.coordinator.aggregate import ServerOptimizer, WeightedMean
+from federation.coordinator.checkpoint import load_checkpoint, save_checkpoint
+from federation.protocol.pipeline import UpdateRejected, check_update
 from site_trainer import endpoint, handoff
 
 
@@ -148,5 +148,5 @@ def test_checkpoint_roundtrip(tmp_path):
 
 
 def test_clientapp_import_path_is_free_of_torch():
-    code = "import sys, federation.client_app; sys.exit(1 if 'torch' in sys.modules else 0)"
+    code = "import sys, federation.site.client_app; sys.exit(1 if 'torch' in sys.modules else 0)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

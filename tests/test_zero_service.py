@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from federation.launcher import OWNER, Supervisor, free_port, marked_pids, wait_trainers
+from federation.ops.launcher import OWNER, Supervisor, free_port, marked_pids, wait_trainers
 from site_trainer import endpoint, handoff, workloads
 from site_trainer.config import SiteConfig, TrainerConfig, WorkloadConfig
 from site_trainer.launch import torchrun_argv

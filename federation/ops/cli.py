@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 from crypto.pki import CoordinatorBundle, provision
-from federation import launcher
-from federation.config import ConfigError, load_config
+from federation.ops import launcher
+from federation.config.schema import ConfigError, load_config
 from site_trainer.launch import RendezvousUnreachable, check_node_rank, wait_for_rendezvous
 
 

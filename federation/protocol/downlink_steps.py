@@ -36,10 +36,10 @@ from typing import Callable, Mapping
 import numpy as np
 from flwr.app import ArrayRecord
 
-from federation.codecs import CodecError, Encoded, UpdateSpec, parse_codec
-from federation.codecs import RoundContext as CodecRound
-from federation.pipeline import Payload
-from federation.wire import to_records
+from federation.protocol.codecs import CodecError, Encoded, UpdateSpec, parse_codec
+from federation.protocol.codecs import RoundContext as CodecRound
+from federation.protocol.pipeline import Payload
+from federation.protocol.payload_records import to_records
 
 Arrays = dict[str, np.ndarray]
 RECORD = "downlink"  # the ConfigRecord next to the "global" ArrayRecord

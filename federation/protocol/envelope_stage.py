@@ -14,7 +14,7 @@ import numpy as np
 
 from crypto.envelope import Envelope, EnvelopeError, ReplayGuard, make_envelope, open_envelope
 from crypto.pki import CoordinatorBundle, SiteBundle
-from federation.pipeline import Payload, RoundContext, UpdateRejected
+from federation.protocol.pipeline import Payload, RoundContext, UpdateRejected
 
 _ALLOWED_KINDS = set("fiub")  # numeric and bool dtypes only; never objects
 

@@ -26,7 +26,7 @@ from .errors import CodecConfigError
 from .floats import Bf16Values, Float32Values, Fp16Values
 from .quantize import StochasticInt
 from .sparsify import RandK, TopK
-from .stages import Sparsifier, ValueCoder
+from .coders import Sparsifier, ValueCoder
 
 SparsifierName = Literal["none", "topk", "randk"]
 QuantizerName = Literal["float32", "fp16", "bf16", "int4", "int8", "int16"]

@@ -36,7 +36,7 @@ from .errors import (
     TruncatedPayloadError,
     UpdateError,
 )
-from .protection import SECAGG_CODECS, Protection, validate_for_protection
+from .compat import SECAGG_CODECS, Protection, validate_for_protection
 from .ring import from_ring, sum_bits, to_ring
 from .sparsify import shared_indices
 from .spec import CodecConfig, parse_codec, parse_codec_config

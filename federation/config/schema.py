@@ -13,8 +13,8 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from crypto.secagg import SecAggConfig
-from federation.attestation_config import AttestationConfig
-from federation.codecs import CodecError, parse_codec_config, validate_for_protection
+from federation.config.attestation_config import AttestationConfig
+from federation.protocol.codecs import CodecError, parse_codec_config, validate_for_protection
 from site_trainer.config import SiteConfig, StrictModel, WorkloadConfig
 
 

@@ -7,9 +7,9 @@ import time
 
 import numpy as np
 
-from federation.codecs import Codec, CodecError, Encoded, UpdateSpec, parse_codec
-from federation.codecs import RoundContext as CodecRound
-from federation.pipeline import Payload, RoundContext, UpdateRejected
+from federation.protocol.codecs import Codec, CodecError, Encoded, UpdateSpec, parse_codec
+from federation.protocol.codecs import RoundContext as CodecRound
+from federation.protocol.pipeline import Payload, RoundContext, UpdateRejected
 
 _META_PREFIX = "codec."
 

@@ -81,14 +81,14 @@ from crypto.secagg import (
 from crypto.secagg import RoundContext as SecAggContext
 from crypto.secagg import wire
 from crypto.secagg.signing import ChunkManifest, Signature, verify
-from federation.codecs import UpdateSpec, parse_codec
-from federation.codecs import RoundContext as CodecRound
-from federation.pipeline import UpdateRejected, check_update
-from federation.rounds import RoundOutcome, site_metrics
-from federation.secagg_site import ADVERTISE, CHUNKS, MASKED_INPUT, RECORD, SHARE_KEYS, UNMASK
+from federation.protocol.codecs import UpdateSpec, parse_codec
+from federation.protocol.codecs import RoundContext as CodecRound
+from federation.protocol.pipeline import UpdateRejected, check_update
+from federation.coordinator.plain_round import RoundOutcome, site_metrics
+from federation.site.secagg_mod import ADVERTISE, CHUNKS, MASKED_INPUT, RECORD, SHARE_KEYS, UNMASK
 
 if TYPE_CHECKING:
-    from federation.coordinator import Coordinator
+    from federation.coordinator.driver import Coordinator
 
 log = logging.getLogger("sovfl.secagg")
 

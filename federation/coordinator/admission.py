@@ -26,10 +26,10 @@ from crypto.attestation import AttestationError, AttestationGate, Evidence, crea
 from crypto.attestation.models import unb64url, utcnow
 from crypto.pki import CoordinatorBundle
 from crypto.pki.keys import raw_public
-from federation.attestation_config import CoordinatorAttestation
+from federation.config.attestation_config import CoordinatorAttestation
 
 if TYPE_CHECKING:
-    from federation.coordinator import Coordinator
+    from federation.coordinator.driver import Coordinator
 
 
 

@@ -23,7 +23,7 @@ import numpy as np
 from .base import payload_array
 from .bitpack import pack_int4, unpack_int4
 from .errors import CodecConfigError, NonFiniteValueError, QuantizedRangeError, ScaleError
-from .stages import Arrays, ValueCoder
+from .coders import Arrays, ValueCoder
 
 _TINY = float(np.finfo(np.float32).tiny)
 _DTYPES = {4: np.dtype(np.uint8), 8: np.dtype(np.int8), 16: np.dtype(np.int16)}

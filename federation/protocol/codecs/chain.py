@@ -23,7 +23,7 @@ from .errors import (
     PayloadFieldError,
 )
 from .ring import from_ring, sum_bits, to_ring
-from .stages import Sparsifier, ValueCoder
+from .coders import Sparsifier, ValueCoder
 
 if TYPE_CHECKING:
     from .spec import CodecConfig

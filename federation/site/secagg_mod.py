@@ -56,8 +56,8 @@ from crypto.secagg import (
 )
 from crypto.secagg import RoundContext as SecAggContext
 from crypto.secagg.signing import check_relayed_adverts, sign
-from federation.codecs import CodecError, UpdateSpec, parse_codec
-from federation.pipeline import Payload
+from federation.protocol.codecs import CodecError, UpdateSpec, parse_codec
+from federation.protocol.pipeline import Payload
 
 ADVERTISE, SHARE_KEYS, MASKED_INPUT, UNMASK = 1, 2, 3, 4
 RECORD = "secagg"  # request / reply ConfigRecord, and the state record in context.state

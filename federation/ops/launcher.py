@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Callable
 
 from crypto.pki import provision
-from federation.attestation_config import resolve
-from federation.config import ExperimentConfig, load_config
+from federation.config.attestation_config import resolve
+from federation.config.schema import ExperimentConfig, load_config
 from site_trainer import endpoint
 from site_trainer.config import SiteConfig, TrainerConfig
 from site_trainer.launch import torchrun_argv

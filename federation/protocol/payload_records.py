@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
-from federation.pipeline import Payload
+from federation.protocol.pipeline import Payload
 
 
 def to_records(payload: Payload, arrays_key: str = "arrays", meta_key: str = "meta") -> RecordDict:

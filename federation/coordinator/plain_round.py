@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from federation.aggregate import WeightedMean
-from federation.pipeline import RoundContext, UpdateRejected, check_update
-from federation.wire import from_records
+from federation.coordinator.aggregate import WeightedMean
+from federation.protocol.pipeline import RoundContext, UpdateRejected, check_update
+from federation.protocol.payload_records import from_records
 
 if TYPE_CHECKING:
-    from federation.coordinator import Coordinator
+    from federation.coordinator.driver import Coordinator
 
 Arrays = dict[str, np.ndarray]
 

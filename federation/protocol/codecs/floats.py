@@ -16,7 +16,7 @@ import numpy as np
 
 from .base import payload_array
 from .errors import NonFiniteValueError
-from .stages import Arrays, ValueCoder
+from .coders import Arrays, ValueCoder
 
 FP16_MAX = float(np.finfo(np.float16).max)
 

@@ -21,16 +21,16 @@ from flwr.serverapp import Grid
 
 from crypto.envelope import ReplayGuard
 from crypto.pki import CoordinatorBundle
-from federation.admission import Admission
-from federation.aggregate import ServerOptimizer
-from federation.checkpoint import save_checkpoint
-from federation.codec_stage import CodecStage, round_seed
-from federation.codecs import UpdateSpec
-from federation.config import ExperimentConfig
-from federation.downlink import DownlinkSender
-from federation.pipeline import Pipeline
-from federation.protection import CoordinatorProtection
-from federation.rounds import PlainRound, RoundProtocol
+from federation.coordinator.admission import Admission
+from federation.coordinator.aggregate import ServerOptimizer
+from federation.coordinator.checkpoint import save_checkpoint
+from federation.protocol.update_codec import CodecStage, round_seed
+from federation.protocol.codecs import UpdateSpec
+from federation.config.schema import ExperimentConfig
+from federation.protocol.downlink_steps import DownlinkSender
+from federation.protocol.pipeline import Pipeline
+from federation.protocol.envelope_stage import CoordinatorProtection
+from federation.coordinator.plain_round import PlainRound, RoundProtocol
 
 log = logging.getLogger("sovfl.coordinator")
 POLL_S = 0.2
@@ -73,7 +73,7 @@ class Coordinator:
         self.replay = ReplayGuard()  # one per run: a (run, round, site) envelope opens once
         self.protocol: RoundProtocol = PlainRound()
         if self.fed.secagg.enabled:
-            from federation.secagg_round import SecAggRound
+            from federation.coordinator.secagg_round import SecAggRound
 
             self.protocol = SecAggRound(self.fed.secagg)
         self.admission: Admission | None = None

@@ -27,7 +27,7 @@ from crypto.attestation import AttestationError, Evidence, appraise, create_atte
 from crypto.attestation.models import b64url, unb64url
 from crypto.pki import SiteBundle
 from crypto.pki.keys import raw_public
-from federation.attestation_config import SiteAttestation
+from federation.config.attestation_config import SiteAttestation
 
 STATE_KEY = "sovfl.attestation"
 NONCE_TTL_S = 300.0  # the coordinator answers our nonce in its very next exchange

@@ -14,7 +14,7 @@ import numpy as np
 from .base import MetaValue, RoundContext, meta_int, payload_array
 from .bitpack import MAX_RICE_R, packed_nbytes, rice_decode, rice_encode
 from .errors import DuplicateIndexError, IndexOrderError, IndexRangeError, MetadataError
-from .stages import Arrays, Sparsifier
+from .coders import Arrays, Sparsifier
 
 _RANDK_DOMAIN = 0x72616E646B  # "randk": separates this stream from any other use of the seed
 _INT32_MAX = 2**31 - 1

@@ -18,8 +18,8 @@ from typing import Callable
 
 from flwr.app import RecordDict
 
-from federation.downlink import DIGEST_KEY, RECORD, Arrays, DownlinkError, reconstruct
-from federation.wire import from_records
+from federation.protocol.downlink_steps import DIGEST_KEY, RECORD, Arrays, DownlinkError, reconstruct
+from federation.protocol.payload_records import from_records
 from site_trainer import endpoint, handoff
 
 STALE_S = 3600.0  # reference files older than this and not current are left-overs of a crash

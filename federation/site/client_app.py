@@ -15,14 +15,14 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from crypto.pki import SiteBundle
-from federation import site_attestation
-from federation.codec_stage import CodecStage
-from federation.codecs import CodecStateError
-from federation.downlink import DownlinkError
-from federation.downlink_site import receive_global, trainer_workdir
-from federation.pipeline import Payload, Pipeline, RoundContext
-from federation.protection import SiteProtection
-from federation.wire import to_records
+from federation.site import attestation_mod as site_attestation
+from federation.protocol.update_codec import CodecStage
+from federation.protocol.codecs import CodecStateError
+from federation.protocol.downlink_steps import DownlinkError
+from federation.site.downlink_mod import receive_global, trainer_workdir
+from federation.protocol.pipeline import Payload, Pipeline, RoundContext
+from federation.protocol.envelope_stage import SiteProtection
+from federation.protocol.payload_records import to_records
 from site_trainer import endpoint, handoff
 
 app = ClientApp()
@@ -97,7 +97,7 @@ def query(msg: Message, context: Context) -> Message:
     if "attest" in msg.content.config_records:  # attested admission, both directions
         return site_attestation.on_query(msg, context, site, _bundle(context))
     if "secagg" in msg.content.config_records:  # secure-aggregation stages 1, 2 and 4
-        from federation import secagg_site
+        from federation.site import secagg_mod as secagg_site
 
         return secagg_site.on_query(msg, context, site)
     try:
@@ -159,7 +159,7 @@ def _relay(msg: Message, context: Context, method: str) -> Message:
             finally:
                 handoff.release(h.path)
         if secagg:  # stage 3: the update leaves masked
-            from federation import secagg_site
+            from federation.site import secagg_mod as secagg_site
 
             out = secagg_site.on_train(msg, context, site, payload, int(reply["num_examples"]))
         else:

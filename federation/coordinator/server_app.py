@@ -11,9 +11,9 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from crypto.pki import CoordinatorBundle
-from federation.attestation_config import AttestationConfig, resolve
-from federation.config import ConfigError, load_config
-from federation.coordinator import Coordinator, FederationFailed
+from federation.config.attestation_config import AttestationConfig, resolve
+from federation.config.schema import ConfigError, load_config
+from federation.coordinator.driver import Coordinator, FederationFailed
 
 app = ServerApp()
 log = logging.getLogger("sovfl.server")
