@@ -1,49 +1,38 @@
 """In-process FedAvg on sklearn digits through the federation's own code (no processes, no torch).
 
 Four sites get a non-IID Dirichlet(alpha) split of the training set and train a numpy softmax
-regression for a few local epochs. Everything between local training and the next global model is
-the code the deployed federation runs, called in the same order:
-- coordinator: a `Coordinator` built from an `ExperimentConfig` (no Grid): `model_message` builds
-  each round's records (round config; the global model, or the downlink steps of
-  `downlink_codec`), `update_pipeline()` decodes each update (`CodecStage`), then `check_update`,
-  `WeightedMean` over the sites' sample counts (as `PlainRound.train`) and `coord.opt.step`, the
-  `ServerOptimizer` (as `Coordinator.train_round`);
-- site: `downlink.reconstruct` of the parsed model message (the relay's `receive_global` minus the
-  reference file), then `client_app.encode_update` with the round's config record and the
-  error-feedback state carried over, as the relay and the trainer service do;
-- under secure aggregation: `secagg_site.values_vector` on the site, the crypto library's SecAgg+
-  client and server for masking, unmasking and the weighted sum (`crypto.secagg.simulation.run_round`,
-  the same `SecAggClient`/`SecAggServer` calls `SecAggRound` makes), `secagg_round.round_weights`,
-  and `SecAggRound._layout` to put the mean back onto the round's shared random-k support.
-What differs from a deployment: records are handed over in memory (no SuperLink, SuperNode or
-ClientApp process); SecAgg stages are driven by `run_round` rather than by `SecAggRound` over
-Flower messages; updates are not signed or sealed (that does not change their values); and
-stochastic rounding is seeded per site so that runs are reproducible.
+regression for a few local epochs. Everything else is the code a deployment runs: the real
+`Coordinator` drives the real round strategy (PlainRound, or SecAggRound under secure
+aggregation) over federation/ops/inprocess.py's `InProcessGrid`, which hands every message,
+through Flower's protobuf serialization, to each site's real ClientApp and its mods (downlink,
+codec with the residual in the site store, SecAgg masking); the coordinator decodes, checks,
+averages or unmasks, applies the server optimizer and writes its metrics line as in a deployment.
+What differs from a deployment: no SuperLink, SuperNode or ClientApp process (messages are
+handed over in memory); the trainer is a numpy function instead of the trainer service; updates
+are not signed or sealed (there is no PKI; that does not change their values); and stochastic
+rounding is seeded per site (node config `codec-site-seed`) so that runs are reproducible.
 Used by tests/test_codecs_convergence.py and benchmarks/compression.py.
 """
 
 from __future__ import annotations
 
+import os
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from threadpoolctl import threadpool_limits
 
-from crypto.secagg import SecAggConfig, new_context
-from crypto.secagg.simulation import run_round
-from federation.coordinator.aggregate import WeightedMean
+from federation.config import ExperimentConfig
+from federation.coordinator.driver import Coordinator
+from federation.ops.inprocess import FunctionTrainer, InProcessGrid, InProcessSite, task_identity
 from federation.protocol.codecs import parse_codec
-from federation.site.client_app import encode_update
-from federation.config.schema import ExperimentConfig
-from federation.coordinator.driver import Coordinator, Site
-from federation.protocol.downlink_steps import DIGEST_KEY, RECORD, reconstruct
-from federation.protocol.pipeline import RoundContext, check_update
-from federation.coordinator.secagg_round import context_run_id, round_weights
-from federation.site.secagg_mod import values_vector
-from federation.protocol.payload_records import from_records, to_records
+from federation.protocol.round_config import RoundConfig
+
+RUN_ID = 1
 
 
 @dataclass(frozen=True)
@@ -104,26 +93,36 @@ def accuracy(model, x, y) -> float:
 def run_fedavg(codec: str | None, **kwargs) -> FedResult:
     """FedAvg with every site's delta sent through ``codec``; see :func:`_run_fedavg` for options.
 
-    BLAS is held to one thread: the matrices are tiny, and tests share a small machine.
+    BLAS is held to one thread: the matrices are tiny, and tests share a small machine. Site
+    stores and checkpoints go to a temporary directory in memory (/dev/shm) where there is one.
     """
-    with threadpool_limits(limits=1), tempfile.TemporaryDirectory(prefix="fedsim-") as workdir:
-        return _run_fedavg(codec, workdir=workdir, **kwargs)
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    with threadpool_limits(limits=1), tempfile.TemporaryDirectory(prefix="fedsim-", dir=shm) as workdir:
+        return _run_fedavg(codec, workdir=Path(workdir), **kwargs)
 
 
-def _coordinator(workdir: str, model: dict, parts: list[np.ndarray], **federation) -> Coordinator:
+def simulated_sites(trainers: list[FunctionTrainer], seed: int) -> list[InProcessSite]:
+    """In-process sites site0, site1, ... (node ids 1, 2, ...) with reproducible codec rounding."""
+    return [InProcessSite(f"site{s}", s + 1, t, {"codec-site-seed": str(seed * 1000 + s + 1)}, RUN_ID)
+            for s, t in enumerate(trainers)]
+
+
+def coordinator(workdir: Path, model: dict, sites: list[InProcessSite], **federation) -> Coordinator:
+    """The real coordinator of an in-process federation of `sites`, after site discovery. Call it
+    (and its rounds) inside `task_identity(RUN_ID)`."""
     cfg = ExperimentConfig.model_validate({
         "federation": {"name": "fedsim", "evaluate": False, "quorum": 1, **federation},
-        "sites": [{"id": f"site{s}", "partition": s} for s in range(len(parts))],
+        "sites": [{"id": s.name, "partition": i} for i, s in enumerate(sites)],
     })
-    coord = Coordinator(None, cfg, workdir, 1, model)
-    coord.sites = {s + 1: Site(s + 1, f"site{s}", int(p.size)) for s, p in enumerate(parts)}
+    coord = Coordinator(InProcessGrid(sites, RUN_ID), cfg, workdir / "coordinator", RUN_ID, model, lambda line: None)
+    coord.wait_for_sites()
     return coord
 
 
 def _run_fedavg(
     codec: str | None,
     *,
-    workdir: str,
+    workdir: Path,
     error_feedback: bool = True,
     secagg: bool = False,
     downlink: str = "identity",
@@ -139,7 +138,7 @@ def _run_fedavg(
 ) -> FedResult:
     """FedAvg with every site's delta sent through ``codec`` (``None``: uncompressed float32).
 
-    ``secagg`` runs the secure-aggregation path (its clip is the codec's, or 1.0 for identity);
+    ``secagg`` runs the secure-aggregation round (its clip is the codec's, or 1.0 for identity);
     ``downlink`` is the coordinator's ``downlink_codec``. Defaults (300 rounds of one local epoch,
     lr 0.5, batch 16) bring uncompressed FedAvg to ~97% test accuracy; one local epoch keeps
     client drift small, which is what top-k + error feedback is sensitive to.
@@ -150,40 +149,31 @@ def _run_fedavg(
     model = {"w": np.zeros((x_train.shape[1], 10), np.float32), "b": np.zeros(10, np.float32)}
     spec = codec or "identity"
     clip = float(spec.rsplit("clip=", 1)[1]) if "clip=" in spec else 1.0
-    coord = _coordinator(workdir, model, parts, codec=spec, error_feedback=error_feedback, seed=seed,
-                         downlink_codec=downlink, secagg=SecAggConfig(enabled=secagg, clip=clip))
-    nodes = sorted(coord.sites)
-    held: dict[int, tuple | None] = {n: None for n in nodes}
-    states: dict[int, dict] = {n: {} for n in nodes}
-    site_rngs = {n: np.random.default_rng([seed, n - 1]) for n in nodes}
+
+    def site_trainer(s: int, idx: np.ndarray) -> FunctionTrainer:
+        site_rng = np.random.default_rng([seed, s])
+
+        def train(glob: dict, config: RoundConfig) -> tuple[dict, dict]:
+            local = _local_train(glob, x_train[idx], y_train[idx], local_epochs, lr, batch, l2, site_rng)
+            return {k: (local[k] - glob[k]).astype(np.float32) for k in glob}, {}
+
+        return FunctionTrainer(train, idx.size, workdir / f"site{s}")
+
+    sites = simulated_sites([site_trainer(s, idx) for s, idx in enumerate(parts)], seed)
     sent = down = down_dense = 0
     history = []
-    for rnd in range(1, rounds + 1):
-        content = coord.model_message(rnd, coord.fed.deadlines.round_s)
-        updates = {}
-        for node in nodes:  # the site: its relay, then local training, then the codec stage
-            rd = content(node)
-            glob = from_records(rd, "global", RECORD)
-            if RECORD in rd.config_records:
-                glob.arrays, digest = reconstruct(glob, held[node])
-                held[node] = (digest, glob.arrays)
-                coord.downlink.heard(node, {DIGEST_KEY: digest})  # as the reply's status reports it
-            cfg = rd.config_records["config"]
-            idx = parts[node - 1]
-            local = _local_train(glob.arrays, x_train[idx], y_train[idx], local_epochs, lr, batch, l2, site_rngs[node])
-            delta = {k: (local[k] - glob.arrays[k]).astype(np.float32) for k in model}
-            ctx = RoundContext(coord.fed.name, coord.run_id, rnd, coord.sites[node].name, int(cfg["seed"]))
-            payload, new_state, _ = encode_update(delta, states[node], cfg, ctx, site_seed=seed * 1000 + node)
-            states[node] = new_state if new_state is not None else states[node]
-            sent += payload.nbytes
-            updates[node] = from_records(to_records(payload, "update", "update_meta"), "update", "update_meta")
-        mean = _secagg_mean(coord, rnd, updates) if secagg else _plain_mean(coord, rnd, updates)
-        coord.model = coord.opt.step(coord.model, mean)
-        line = coord.downlink.round_metrics()
-        down += sum(line["bytes"].values())
-        down_dense += line["dense_bytes"]
-        if eval_every and rnd % eval_every == 0:
-            history.append((rnd, accuracy(coord.model, x_test, y_test)))
+    with task_identity(RUN_ID):
+        coord = coordinator(workdir, model, sites, codec=spec, error_feedback=error_feedback, seed=seed,
+                            downlink_codec=downlink, rounds=rounds,
+                            secagg={"enabled": secagg, "clip": clip})
+        for rnd in range(1, rounds + 1):
+            line = coord.run_round(rnd)
+            assert line["status"] == "aggregated", line["failed"]
+            sent += sum(s["upload_bytes"] for s in line["sites"].values())
+            down += sum(line["downlink"]["bytes"].values())
+            down_dense += line["downlink"]["dense_bytes"]
+            if eval_every and rnd % eval_every == 0:
+                history.append((rnd, accuracy(coord.model, x_test, y_test)))
     return FedResult(
         codec=parse_codec(codec).spec if codec else "uncompressed",
         accuracy=accuracy(coord.model, x_test, y_test),
@@ -195,26 +185,27 @@ def _run_fedavg(
     )
 
 
-def _plain_mean(coord: Coordinator, rnd: int, updates: dict) -> dict:
-    """As `PlainRound.train`: decode through the coordinator's pipeline, check, weighted mean."""
-    pipeline, mean = coord.update_pipeline(), WeightedMean()
-    for node, payload in updates.items():
-        site = coord.sites[node]
-        payload = pipeline.decode(payload, RoundContext(coord.fed.name, coord.run_id, rnd, site.name,
-                                                        coord.round_seed(rnd)))
-        check_update(payload.arrays, coord.spec)
-        mean.add(payload.arrays, site.num_examples)
-    return mean.result()
+def secagg_upload(update: dict[str, np.ndarray], codec: str, n_sites: int = 4, seed: int = 0) -> dict:
+    """One real SecAgg+ round in process: `n_sites` sites each return (a scaled copy of) `update`
+    from their trainer; their ClientApp mods encode it with `codec` and mask it, and the coordinator
+    unmasks the sum. Returns what the wire carried per site: the masked chunks' data bytes (as the
+    coordinator counts them) and all array bytes of the reply records (.npy headers included)."""
+    clip = float(codec.rsplit("clip=", 1)[1]) if "clip=" in codec else 1.0
+    model = {k: np.zeros_like(v, dtype=np.float32) for k, v in update.items()}
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    with tempfile.TemporaryDirectory(prefix="secagg-bytes-", dir=shm) as tmp:
+        workdir = Path(tmp)
 
+        def trainer(s: int) -> FunctionTrainer:
+            return FunctionTrainer(lambda glob, config: ({k: v * np.float32(1 + 0.1 * s) for k, v in update.items()}, {}),
+                                   100 + s, workdir / f"site{s}")
 
-def _secagg_mean(coord: Coordinator, rnd: int, updates: dict) -> dict:
-    """As `SecAggRound`: mask each site's codec values, unmask the weighted sum, lay it out densely."""
-    m, dense = coord.protocol._layout(coord, rnd)
-    weights = round_weights({n: coord.sites[n].num_examples for n in updates}, coord.fed.secagg.max_weight)
-    values = {n: values_vector(p) for n, p in updates.items()}
-    assert all(v.shape == (m,) for v in values.values())
-    ctx = new_context(context_run_id(coord.fed.name, coord.run_id), rnd)
-    result = run_round(coord.fed.secagg, ctx, values, weights, seeds={n: 7919 * rnd + n for n in updates}).result
-    mean = dense(result.decode())
-    check_update(mean, coord.spec)
-    return mean
+        sites = simulated_sites([trainer(s) for s in range(n_sites)], seed)
+        with task_identity(RUN_ID):
+            coord = coordinator(workdir, model, sites, codec=codec, rounds=1, seed=seed,
+                                secagg={"enabled": True, "clip": clip})
+            line = coord.run_round(1)
+    assert line["status"] == "aggregated", line["failed"]
+    masked = [s["upload_bytes"] for s in line["sites"].values()]
+    return {"masked_bytes": float(np.mean(masked)), "record_bytes": line["bytes_up"] / len(masked),
+            "dense_bytes": 4 * sum(int(v.size) for v in update.values()), "sites": len(masked)}

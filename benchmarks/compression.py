@@ -3,10 +3,11 @@
 1. A synthetic 10M-parameter update (heavy-tailed, Student-t with 3 dof, like real deltas) goes
    through every codec with error feedback on: wire payload bytes, ratio vs dense float32,
    encode and decode seconds (single process; numpy only).
-2. Under secure aggregation the masked ring elements must hold the sum of N sites without
-   wrapping, so int8 codes travel as 8 + ceil(log2 N) bits, packed at exactly that width.
-   We report the ratio for several N and use the worst (largest N) in the RESULT line.
-3. Downlink: the coordinator's real model messages (federation/downlink.py) for the same 10M
+2. Under secure aggregation: one real SecAgg+ round of the same update through the federation's
+   own code (benchmarks/_fedsim.py `secagg_upload`: the sites' ClientApp mods encode and mask it,
+   the coordinator unmasks the sum, all in one process through the in-process Grid); the ratio is
+   dense float32 bytes over the masked chunks' bytes each site actually sent.
+3. Downlink: the coordinator's real model messages (federation/coordinator/downlink_sender.py) for the same 10M
    model: bytes a site receives for one model step, ratio vs the dense model, coordinator encode
    and site reconstruct seconds.
 4. In-process FedAvg on sklearn digits (benchmarks/_fedsim.py: the federation's own coordinator
@@ -28,9 +29,11 @@ from flwr.app import RecordDict
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._fedsim import run_fedavg  # noqa: E402
-from federation.protocol.codecs import RoundContext, UpdateSpec, parse_codec, shared_indices  # noqa: E402
-from federation.protocol.downlink_steps import DIGEST_KEY, RECORD, DownlinkSender, reconstruct  # noqa: E402
+from benchmarks._fedsim import run_fedavg, secagg_upload  # noqa: E402
+from federation.coordinator.downlink_sender import DownlinkSender  # noqa: E402
+from federation.protocol.codecs import CodecRound, UpdateSpec, parse_codec, shared_indices  # noqa: E402
+from federation.protocol.downlink_steps import reconstruct  # noqa: E402
+from federation.protocol.message_keys import DOWNLINK, GLOBAL, MODEL_DIGEST  # noqa: E402
 from federation.protocol.payload_records import from_records  # noqa: E402
 
 CODECS = [
@@ -81,17 +84,16 @@ def synthetic_update(numel: int, seed: int) -> dict[str, np.ndarray]:
     }
 
 
-def bytes_table(numel: int, sites: list[int], seed: int) -> dict[str, dict]:
+def bytes_table(numel: int, seed: int) -> dict[str, dict]:
     update = synthetic_update(numel, seed)
     layout = UpdateSpec.of(update)
     rows = {}
     print(f"== bytes and speed: {numel:,} parameters, dense float32 = {4 * numel / 2**20:.1f} MiB ==")
-    columns = f"{'codec':42s} {'wire bytes':>12s} {'ratio':>8s} {'encode s':>9s} {'decode s':>9s}"
-    print(f"{columns}  secagg ratio at N={','.join(map(str, sites))}")
+    print(f"{'codec':42s} {'wire bytes':>12s} {'ratio':>8s} {'encode s':>9s} {'decode s':>9s}  with secagg")
     for spec in CODECS:
         codec = parse_codec(spec, error_feedback=True)
-        _, state = codec.encode(update, None, RoundContext(1, 11, site_seed=1))  # realistic residual
-        ctx = RoundContext(2, 22, site_seed=1)
+        _, state = codec.encode(update, None, CodecRound(1, 11, site_seed=1))  # realistic residual
+        ctx = CodecRound(2, 22, site_seed=1)
         shared_indices.cache_clear()
         t0 = time.perf_counter()
         enc, state = codec.encode(update, state, ctx)
@@ -99,14 +101,7 @@ def bytes_table(numel: int, sites: list[int], seed: int) -> dict[str, dict]:
         shared_indices.cache_clear()  # the coordinator regenerates the shared indices itself
         codec.decode(enc, layout, ctx)
         t2 = time.perf_counter()
-        secagg = ""
-        if codec.linear_under_masks:
-            wire = [codec.secagg_wire_nbytes(numel, n) for n in sites]
-            secagg = "float payload: SecAgg layer fixed-points it" if wire[0] is None else ", ".join(
-                f"{4 * numel / w:.1f} ({codec.secagg_value_bits(n)}b)" for w, n in zip(wire, sites)
-            )
-        else:
-            secagg = "not linear (sealed/none only)"
+        secagg = "allowed (masked values)" if codec.linear_under_masks else "not linear (sealed/none only)"
         rows[spec] = {"nbytes": enc.nbytes, "ratio": enc.compression_ratio, "codec": codec}
         print(
             f"{codec.spec:42s} {enc.nbytes:12,d} {enc.compression_ratio:8.1f} "
@@ -126,15 +121,15 @@ def downlink_table(numel: int, seed: int) -> None:
         sender = DownlinkSender(spec, seed)
         first = RecordDict(sender.stage(model, str)(1))
         held = None
-        if RECORD in first.config_records:  # the site keeps what it rebuilt
-            arrays, digest = reconstruct(from_records(first, "global", RECORD), None)
+        if DOWNLINK in first.config_records:  # the site keeps what it rebuilt
+            arrays, digest = reconstruct(from_records(first, GLOBAL, DOWNLINK), None)
             held = (digest, arrays)
-            sender.heard(1, {DIGEST_KEY: digest})
+            sender.heard(1, {MODEL_DIGEST: digest})
         sender.round_metrics()
         t0 = time.perf_counter()
         rd = RecordDict(sender.stage(moved, str)(1))
         t1 = time.perf_counter()
-        payload = from_records(rd, "global", RECORD)
+        payload = from_records(rd, GLOBAL, DOWNLINK)
         if held is not None:
             reconstruct(payload, held)
         t2 = time.perf_counter()
@@ -153,11 +148,8 @@ def accuracy_table(seed: int) -> float:
         r = run_fedavg(spec, error_feedback=True, seed=seed, **options)
         drop = 100 * (base.accuracy - r.accuracy)
         worst = max(worst, drop)
-        wire = r.mean_site_bytes
-        note = ""
-        if options.get("secagg"):  # what travels once masked: codes widened so the 4-site sum cannot wrap
-            wire = parse_codec(spec).secagg_wire_nbytes(r.dense_bytes // 4, 4)
-            note = f" as masked {parse_codec(spec).secagg_value_bits(4)}-bit ring elements"
+        wire = r.mean_site_bytes  # under SecAgg: the masked chunks' bytes, from the real messages
+        note = " masked" if options.get("secagg") else ""
         print(
             f"{label:56s} acc={100 * r.accuracy:6.2f}%  drop={drop:+5.2f} pts  "
             f"bytes/site/round={wire:8.1f} (x{r.dense_bytes / wire:.1f}){note}"
@@ -178,18 +170,19 @@ def accuracy_table(seed: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", type=int, default=10_000_000)
-    parser.add_argument("--sites", type=int, nargs="+", default=[4, 16, 64, 256])
+    parser.add_argument("--secagg-sites", type=int, default=4, help="sites of the measured SecAgg round")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    rows = bytes_table(args.params, args.sites, args.seed)
-    secagg_codec = rows[SECAGG_CODEC]["codec"]
-    worst_n = max(args.sites)
-    secagg_ratio = 4 * args.params / secagg_codec.secagg_wire_nbytes(args.params, worst_n)
+    rows = bytes_table(args.params, args.seed)
+    t0 = time.perf_counter()
+    measured = secagg_upload(synthetic_update(args.params, args.seed), SECAGG_CODEC, args.secagg_sites, args.seed)
+    secagg_ratio = measured["dense_bytes"] / measured["masked_bytes"]
     sealed_ratio = rows[SEALED_CODEC]["ratio"]
     print(
-        f"SecAgg: {secagg_codec.spec} sends only values (indices come from the round seed), "
-        f"{secagg_codec.secagg_value_bits(worst_n)} bits each for N={worst_n} sites -> x{secagg_ratio:.1f}"
+        f"SecAgg: {rows[SECAGG_CODEC]['codec'].spec}, one real SecAgg+ round of {measured['sites']} sites in process "
+        f"({time.perf_counter() - t0:.1f}s): {measured['masked_bytes']:,.0f} masked bytes per site "
+        f"({measured['record_bytes']:,.0f} with array headers) for {measured['dense_bytes']:,} dense -> x{secagg_ratio:.1f}"
     )
     print(f"Sealed: {rows[SEALED_CODEC]['codec'].spec} (Rice delta-coded indices) -> x{sealed_ratio:.1f}")
     downlink_table(args.params, args.seed)

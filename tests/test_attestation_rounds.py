@@ -1,5 +1,5 @@
-"""Attested rounds in process: the site's half (federation.site_attestation and the ClientApp's
-train gate) and the coordinator's admission (federation.admission) talking to real ClientApp
+"""Attested rounds in process: the site's half (federation/site/attestation_mod.py, the ClientApp's
+train gate) and the coordinator's admission (federation/coordinator/admission.py) talking to real ClientApp
 handlers through Flower's own message and context serialization, with real provisioned keys and
 real tokens from a local test issuer. The end-to-end run is tests/test_e2e_attestation.py."""
 
@@ -21,8 +21,7 @@ from crypto.attestation.testing import GOOD_MEASUREMENT, LocalTokenAttester, Loc
 from crypto.pki import CoordinatorBundle, SiteBundle, provision
 from crypto.pki.keys import raw_public
 from federation.site import client_app
-from federation.config.attestation_config import AttestationConfig, resolve
-from federation.config.schema import parse_config
+from federation.config import AttestationConfig, parse_config, resolve
 from federation.coordinator.driver import Coordinator
 from federation.coordinator.driver import Site as CoordSite
 from test_secagg_workflow import FakeGrid
@@ -183,14 +182,14 @@ def admission_run(world, tmp_path, **fed):
 def test_admission_revoked_site_and_reattestation(world, tmp_path):
     coord, nodes, log = admission_run(world, tmp_path)
     coord.admission.trust.revoke("b")
-    out = coord.admission.run(coord, 1, nodes, horizon_s=60)
+    out = coord.admit(1, nodes, horizon_s=60)
     assert out.admitted == [nodes[0]] and out.attested == ["a", "b"]
     assert out.codes == {"b": "revoked_site"} and coord.rejections == {"attestation:revoked_site": 1}
     assert any("site b NOT ADMITTED: revoked_site" in line for line in log)
     assert coord.admission.admitted("a") and not coord.admission.admitted("b")
-    again = coord.admission.run(coord, 2, nodes[:1], horizon_s=60)  # still valid: no new exchange
+    again = coord.admit(2, nodes[:1], horizon_s=60)  # still valid: no new exchange
     assert again.admitted == nodes[:1] and again.attested == []
-    lapsing = coord.admission.run(coord, 3, nodes[:1], horizon_s=10_000)  # would lapse mid-round: re-attested
+    lapsing = coord.admit(3, nodes[:1], horizon_s=10_000)  # would lapse mid-round: re-attested
     assert lapsing.admitted == nodes[:1] and lapsing.attested == ["a"]
 
 
@@ -201,7 +200,7 @@ def test_a_failing_coordinator_attester_excludes_sites_without_ending_the_round(
         raise RuntimeError("TEE report device busy")
 
     monkeypatch.setattr(coord.admission.attester, "attest", broken)
-    out = coord.admission.run(coord, 1, nodes, horizon_s=60)
+    out = coord.admit(1, nodes, horizon_s=60)
     assert out.admitted == [] and set(out.codes.values()) == {"coordinator_attester_failed"}
     assert "TEE report device busy" in out.excluded["a"]
     assert coord.rejections == {"attestation:coordinator_attester_failed": 2}

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import live_marked, sovfl, write_config
-from federation.site.client_app import encode_update
+from federation.site.codec_mod import encode_update
 from federation.protocol.update_codec import CodecStage, round_seed
 from federation.protocol.codecs import UpdateSpec
 from federation.protocol.pipeline import Pipeline, RoundContext, UpdateRejected

@@ -14,19 +14,16 @@ from pydantic import BaseModel
 from federation.protocol.codecs import (
     CodecConfig,
     CodecConfigError,
+    CodecRound,
     CodecStateError,
     Encoded,
     MetadataError,
-    NotLinearError,
     ProtectionConfigError,
-    RoundContext,
     UpdateError,
     UpdateSpec,
-    from_ring,
     pack_bits,
     parse_codec,
     shared_indices,
-    sum_bits,
     unpack_bits,
     validate_for_protection,
 )
@@ -50,7 +47,6 @@ ALL_SPECS = [
     "randk:0.1+int4:clip=2.0",
     "topk:0.1+bf16",
 ]
-LINEAR_SPECS = ["identity", "int8:clip=2.0", "int4:clip=2.0", "randk:0.1", "randk:0.1+int8:clip=2.0"]
 
 
 def make_update(seed: int = 0, scale: float = 0.5) -> dict[str, np.ndarray]:
@@ -79,9 +75,9 @@ def test_import_stays_free_of_torch_and_flwr() -> None:
 def test_round_trip_shapes_bytes_and_metadata(spec: str) -> None:
     update = make_update()
     codec = parse_codec(spec)
-    enc, state = codec.encode(update, None, RoundContext(1, 99, site_seed=1))
+    enc, state = codec.encode(update, None, CodecRound(1, 99, site_seed=1))
     assert state == {}
-    out = codec.decode(enc, UpdateSpec.of(update), RoundContext(1, 99))
+    out = codec.decode(enc, UpdateSpec.of(update), CodecRound(1, 99))
     assert set(out) == set(update)
     for name, arr in update.items():
         assert out[name].shape == arr.shape and out[name].dtype == np.float32
@@ -100,7 +96,7 @@ def test_residual_holds_exactly_what_was_not_sent(spec: str) -> None:
     state: dict[str, np.ndarray] = {}
     for rnd in range(1, 4):
         update = make_update(seed=rnd)
-        enc, new_state = codec.encode(update, state, RoundContext(rnd, 1234, site_seed=5))
+        enc, new_state = codec.encode(update, state, CodecRound(rnd, 1234, site_seed=5))
         decoded = flat(codec.decode(enc, layout))
         old = flat(state) if state else np.zeros(layout.numel, np.float32)
         np.testing.assert_allclose(flat(update) + old, decoded + flat(new_state), rtol=0, atol=1e-5)
@@ -111,7 +107,7 @@ def test_residual_holds_exactly_what_was_not_sent(spec: str) -> None:
 def test_without_error_feedback_topk_sends_the_largest_magnitudes() -> None:
     update = make_update()
     x = flat(update)
-    enc, state = parse_codec("topk:0.05").encode(update, {"ignored": np.zeros(1)}, RoundContext(1, 1))
+    enc, state = parse_codec("topk:0.05").encode(update, {"ignored": np.zeros(1)}, CodecRound(1, 1))
     assert state == {}
     decoded = flat(parse_codec("topk:0.05").decode(enc, UpdateSpec.of(update)))
     kept = np.flatnonzero(decoded)
@@ -127,7 +123,7 @@ def test_block_quantizer_error_is_below_the_block_scale(spec: str) -> None:
     update = make_update(3)
     layout = UpdateSpec.of(update)
     codec = parse_codec(spec)
-    enc, _ = codec.encode(update, None, RoundContext(1, 1, site_seed=3))
+    enc, _ = codec.encode(update, None, CodecRound(1, 1, site_seed=3))
     x, d = flat(update), flat(codec.decode(enc, layout))
     if codec.sparsifier is not None:
         idx = codec.sparsifier.support(enc.arrays, enc.meta, layout.numel, None)
@@ -145,7 +141,7 @@ def test_clip_quantizer_error_bound_and_clipping(bits: int) -> None:
     clip = 1.0
     codec = parse_codec(f"int{bits}:clip={clip}")
     update = make_update(4, scale=0.8)
-    enc, _ = codec.encode(update, None, RoundContext(1, 1, site_seed=4))
+    enc, _ = codec.encode(update, None, CodecRound(1, 1, site_seed=4))
     x, d = flat(update), flat(codec.decode(enc, UpdateSpec.of(update)))
     scale = clip / (2 ** (bits - 1) - 1)
     inside = np.abs(x) <= clip
@@ -166,7 +162,7 @@ def test_stochastic_rounding_is_unbiased(spec: str) -> None:
     trials = 300
     total = np.zeros(600)
     for t in range(trials):
-        enc, _ = codec.encode(update, None, RoundContext(7, 7, site_seed=t))
+        enc, _ = codec.encode(update, None, CodecRound(7, 7, site_seed=t))
         total += flat(codec.decode(enc, layout))
     x = update["w"].astype(np.float64)
     if codec.sparsifier is not None:
@@ -190,7 +186,7 @@ def test_fp16_and_bf16_relative_error_bounds() -> None:
     normal = np.abs(x) >= 2**-14
     for spec, rel in (("fp16", 2**-11), ("bf16", 2**-8)):
         codec = parse_codec(spec)
-        enc, _ = codec.encode(update, None, RoundContext(1, 1))
+        enc, _ = codec.encode(update, None, CodecRound(1, 1))
         d = flat(codec.decode(enc, UpdateSpec.of(update)))
         assert (np.abs(d - x)[normal] <= rel * np.abs(x)[normal]).all()
 
@@ -204,21 +200,21 @@ def test_bf16_rounds_to_nearest_even_like_torch() -> None:
     spread = rng.standard_normal(10_000) * 10.0 ** rng.integers(-20, 20, 10_000)
     values = np.concatenate([ties, spread.astype(np.float32)])
     codec = parse_codec("bf16")
-    enc, _ = codec.encode({"v": values}, None, RoundContext(1, 1))
+    enc, _ = codec.encode({"v": values}, None, CodecRound(1, 1))
     ours = enc.arrays["values"]
     theirs = torch.from_numpy(values).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     np.testing.assert_array_equal(ours, theirs)
     assert codec.decode(enc, UpdateSpec.of({"v": values}))["v"][0] == 1.0  # tie -> even mantissa
     # Near float32 max the rounding would give Inf; it is clamped to the largest finite bf16.
     big = {"v": np.array([3.4e38, -3.4e38], dtype=np.float32)}
-    enc, _ = codec.encode(big, None, RoundContext(1, 1))
+    enc, _ = codec.encode(big, None, CodecRound(1, 1))
     assert np.isfinite(codec.decode(enc, UpdateSpec.of(big))["v"]).all()
 
 
 def test_fp16_clamps_instead_of_overflowing_and_error_feedback_keeps_the_excess() -> None:
     update = {"v": np.array([1e6, -1e6, 1.0], dtype=np.float32)}
     codec = parse_codec("fp16", error_feedback=True)
-    enc, state = codec.encode(update, None, RoundContext(1, 1))
+    enc, state = codec.encode(update, None, CodecRound(1, 1))
     d = codec.decode(enc, UpdateSpec.of(update))["v"]
     assert np.isfinite(d).all() and d[0] == 65504.0
     assert state["v"][0] == pytest.approx(1e6 - 65504.0)
@@ -233,9 +229,9 @@ def test_random_k_same_seed_same_indices_on_every_site() -> None:
     supports = []
     for site in range(3):
         update = make_update(seed=100 + site)  # different data per site
-        enc, _ = codec.encode(update, None, RoundContext(5, 2024, site_seed=site))
+        enc, _ = codec.encode(update, None, CodecRound(5, 2024, site_seed=site))
         assert set(enc.arrays) == {"values"}  # no indices on the wire
-        supports.append(codec.sparsifier.support(enc.arrays, enc.meta, layout.numel, RoundContext(5, 2024)))
+        supports.append(codec.sparsifier.support(enc.arrays, enc.meta, layout.numel, CodecRound(5, 2024)))
     for s in supports[1:]:
         np.testing.assert_array_equal(s, supports[0])
     idx = supports[0]
@@ -272,82 +268,9 @@ PINNED_RANDK = [142258, 169881, 236497, 246550, 283060, 341895, 623042, 668105, 
 def test_random_k_rejects_replayed_round() -> None:
     codec = parse_codec("randk:0.1")
     update = make_update()
-    enc, _ = codec.encode(update, None, RoundContext(3, 77))
+    enc, _ = codec.encode(update, None, CodecRound(3, 77))
     with pytest.raises(MetadataError, match="stale or replayed"):
-        codec.decode(enc, UpdateSpec.of(update), RoundContext(4, 78))
-
-
-# --- linear aggregation and SecAgg ring -----------------------------------------------------------
-
-
-@pytest.mark.parametrize("spec", LINEAR_SPECS)
-def test_aggregate_sums_payloads_without_decoding(spec: str) -> None:
-    codec = parse_codec(spec)
-    assert codec.linear_under_masks
-    layout = UpdateSpec.of(make_update())
-    ctx = RoundContext(2, 31)
-    encs = [codec.encode(make_update(s), None, RoundContext(2, 31, site_seed=s))[0] for s in range(4)]
-    total = codec.aggregate(encs, layout)
-    assert total.meta["summed"] == 4
-    expected = sum(flat(codec.decode(e, layout, ctx)) for e in encs)
-    np.testing.assert_allclose(flat(codec.decode(total, layout, ctx)), expected, rtol=1e-6, atol=1e-6)
-    # sums of sums (hierarchical aggregation) work too
-    again = codec.aggregate([total, encs[0]], layout)
-    np.testing.assert_allclose(
-        flat(codec.decode(again, layout)), expected + flat(codec.decode(encs[0], layout)), rtol=1e-6, atol=1e-6
-    )
-
-
-def test_aggregate_refuses_non_linear_codecs_and_mismatched_rounds() -> None:
-    layout = UpdateSpec.of(make_update())
-    for spec in ("topk:0.1", "int8", "bf16"):
-        codec = parse_codec(spec)
-        enc, _ = codec.encode(make_update(), None, RoundContext(1, 1))
-        with pytest.raises(NotLinearError):
-            codec.aggregate([enc, enc], layout)
-    codec = parse_codec("randk:0.1")
-    a, _ = codec.encode(make_update(), None, RoundContext(1, 1))
-    b, _ = codec.encode(make_update(), None, RoundContext(1, 2))
-    with pytest.raises(MetadataError, match="seed"):
-        codec.aggregate([a, b], layout)
-
-
-@pytest.mark.parametrize("n_sites", [1, 4, 16])
-def test_secagg_ring_sum_with_cancelling_masks_decodes_to_the_sum(n_sites: int) -> None:
-    codec = parse_codec("randk:0.1+int8:clip=0.5")
-    layout = UpdateSpec.of(make_update())
-    ctx = RoundContext(9, 5)
-    bits = codec.secagg_value_bits(n_sites)
-    assert bits == 8 + int(np.ceil(np.log2(n_sites))) if n_sites > 1 else bits == 8
-    rng = np.random.default_rng(n_sites)
-    m = codec.sparsifier.k(layout.numel)
-    masks = rng.integers(0, 2**bits, size=(n_sites, m), dtype=np.uint64)
-    masks[-1] = (-(masks[:-1].sum(axis=0, dtype=np.uint64))) & np.uint64(2**bits - 1)  # masks cancel
-    ring_total = np.zeros(m, dtype=np.uint64)
-    decoded_sum = np.zeros(layout.numel)
-    for s in range(n_sites):
-        enc, _ = codec.encode(make_update(s, scale=2.0), None, RoundContext(9, 5, site_seed=s))  # many clip hits
-        decoded_sum += flat(codec.decode(enc, layout, ctx))
-        ring, b = codec.to_ring(enc, layout, n_sites)
-        masked = (ring + masks[s]) & np.uint64(2**b - 1)
-        wire = pack_bits(masked, b)  # what actually travels
-        assert wire.nbytes == codec.secagg_wire_nbytes(layout.numel, n_sites) == (m * b + 7) // 8
-        ring_total = (ring_total + unpack_bits(wire, b, m)) & np.uint64(2**b - 1)
-    total = codec.from_ring_sum(ring_total, layout, ctx, n_sites)
-    np.testing.assert_allclose(flat(codec.decode(total, layout, ctx)), decoded_sum, rtol=1e-6, atol=1e-5)
-
-
-def test_sum_bits_is_the_smallest_width_that_cannot_wrap() -> None:
-    for qmax in (7, 127, 32767):
-        for n in (1, 2, 3, 4, 5, 16, 100, 1000):
-            bits = sum_bits(qmax, n)
-            assert 2 * qmax * n + 1 <= 2**bits  # [-qmax*n, qmax*n] fits
-            assert 2 * qmax * n + 1 > 2 ** (bits - 1)  # one bit fewer would wrap
-            extremes = np.array([qmax * n, -qmax * n], dtype=np.int64)
-            np.testing.assert_array_equal(from_ring(extremes.view(np.uint64), bits), extremes)
-    assert parse_codec("identity").secagg_value_bits(8) is None  # float payload: SecAgg fixed-points it
-    with pytest.raises(NotLinearError):
-        parse_codec("topk:0.1+int8").secagg_value_bits(4)
+        codec.decode(enc, UpdateSpec.of(update), CodecRound(4, 78))
 
 
 # --- bit packing ----------------------------------------------------------------------------------
@@ -489,7 +412,7 @@ def test_downlink_global_delta_uses_the_same_codec(spec: str) -> None:
     for rnd in range(1, 6):
         delta = make_update(rnd, scale=0.1)
         server_model = {k: server_model[k] + delta[k] for k in delta}
-        ctx = RoundContext(rnd, 1000 + rnd)
+        ctx = CodecRound(rnd, 1000 + rnd)
         enc, server_state = server_codec.encode(delta, server_state, ctx)
         received = site_codec.decode(enc, layout, ctx)
         site_model = {k: site_model[k] + received[k] for k in received}
@@ -500,22 +423,22 @@ def test_error_feedback_state_must_match_the_update() -> None:
     codec = parse_codec("topk:0.1", error_feedback=True)
     update = make_update()
     with pytest.raises(CodecStateError, match="reset the codec state"):
-        codec.encode(update, {"other": np.zeros(3, np.float32)}, RoundContext(1, 1))
+        codec.encode(update, {"other": np.zeros(3, np.float32)}, CodecRound(1, 1))
     bad = {k: np.zeros(v.shape[:-1] + (v.shape[-1] + 1,), np.float32) for k, v in update.items()}
     with pytest.raises(CodecStateError, match="reset the codec state"):
-        codec.encode(update, bad, RoundContext(1, 1))
+        codec.encode(update, bad, CodecRound(1, 1))
 
 
 def test_unusable_updates_are_rejected_on_the_site() -> None:
     codec = parse_codec("int8")
     with pytest.raises(UpdateError, match="NaN or Inf"):
-        codec.encode({"w": np.array([1.0, np.nan], np.float32)}, None, RoundContext(1, 1))
+        codec.encode({"w": np.array([1.0, np.nan], np.float32)}, None, CodecRound(1, 1))
     with pytest.raises(UpdateError, match="floating point"):
-        codec.encode({"w": np.array([1, 2], np.int64)}, None, RoundContext(1, 1))
+        codec.encode({"w": np.array([1, 2], np.int64)}, None, CodecRound(1, 1))
     with pytest.raises(UpdateError, match="numpy array"):
-        codec.encode({"w": [1.0, 2.0]}, None, RoundContext(1, 1))  # type: ignore[dict-item]
+        codec.encode({"w": [1.0, 2.0]}, None, CodecRound(1, 1))  # type: ignore[dict-item]
     with pytest.raises(CodecConfigError, match="seed"):
-        RoundContext(1, -5)
+        CodecRound(1, -5)
 
 
 def test_empty_and_tiny_updates() -> None:
@@ -523,8 +446,8 @@ def test_empty_and_tiny_updates() -> None:
         codec = parse_codec(spec, error_feedback=True)
         for values in (np.zeros(0), np.array([0.5]), np.zeros(5)):
             update = {"w": values.astype(np.float32)}
-            enc, state = codec.encode(update, None, RoundContext(1, 1, site_seed=0))
-            out = codec.decode(enc, UpdateSpec.of(update), RoundContext(1, 1))
+            enc, state = codec.encode(update, None, CodecRound(1, 1, site_seed=0))
+            out = codec.decode(enc, UpdateSpec.of(update), CodecRound(1, 1))
             np.testing.assert_allclose(out["w"] + state["w"], update["w"], atol=1e-6)
 
 
@@ -537,7 +460,7 @@ def test_encoded_maps_onto_flower_records_without_pickle() -> None:
     """What the pipeline does: arrays -> ArrayRecord of Array, meta -> ConfigRecord, and back."""
     flwr_app = pytest.importorskip("flwr.app")
     update = make_update()
-    ctx = RoundContext(3, 2**62 + 5)
+    ctx = CodecRound(3, 2**62 + 5)
     for spec in ("topk:0.01+int4", "bf16", "randk:0.1+int8:clip=1", "int8"):
         codec = parse_codec(spec)
         enc, _ = codec.encode(update, None, ctx)

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from federation.protocol.codecs import (
     CodecError,
+    CodecRound,
     DuplicateIndexError,
     Encoded,
     IndexOrderError,
@@ -22,14 +23,13 @@ from federation.protocol.codecs import (
     PayloadFieldError,
     PayloadLengthError,
     QuantizedRangeError,
-    RoundContext,
     ScaleError,
     TruncatedPayloadError,
     UpdateSpec,
     parse_codec,
 )
 
-CTX = RoundContext(4, 321, site_seed=0)
+CTX = CodecRound(4, 321, site_seed=0)
 UPDATE = {
     "a": np.random.default_rng(0).standard_normal((30, 33)).astype(np.float32),
     "b": np.random.default_rng(1).standard_normal(7).astype(np.float32),  # odd total: 997 values

@@ -11,8 +11,11 @@ from flwr.app import RecordDict
 from federation.protocol.codecs import UpdateSpec
 from federation.config.schema import parse_config
 from federation.coordinator.driver import Coordinator, Site
-from federation.protocol.downlink_steps import DIGEST_KEY, RECORD, DownlinkError, reconstruct
-from federation.site.downlink_mod import ReferenceStore, receive_global
+from federation.protocol.downlink_steps import DownlinkError, reconstruct
+from federation.protocol.message_keys import DOWNLINK as RECORD
+from federation.protocol.message_keys import MODEL_DIGEST as DIGEST_KEY
+from federation.site.downlink_mod import receive_global
+from federation.site.site_store import ReferenceStore
 from federation.protocol.payload_records import from_records, to_records
 from site_trainer import handoff
 

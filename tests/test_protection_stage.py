@@ -8,7 +8,9 @@ import pytest
 from crypto.envelope import ReplayGuard
 from crypto.pki import CoordinatorBundle, SiteBundle, provision, revoke
 from federation.protocol.pipeline import Payload, RoundContext, UpdateRejected
-from federation.protocol.envelope_stage import CoordinatorProtection, SiteProtection, pack, unpack
+from federation.coordinator.envelope_opener import CoordinatorProtection
+from federation.protocol.envelope_layout import pack, unpack
+from federation.site.protection_mod import SiteProtection
 
 
 @pytest.fixture(scope="module")

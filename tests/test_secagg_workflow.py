@@ -24,9 +24,13 @@ from federation.site import secagg_mod as secagg_site
 from federation.protocol.update_codec import CodecStage, round_seed
 from federation.protocol.codecs import UpdateSpec
 from federation.config.schema import parse_config
+from federation.coordinator.aggregate import ServerOptimizer
 from federation.coordinator.driver import Coordinator
 from federation.protocol.pipeline import Payload, Pipeline, RoundContext
-from federation.coordinator.secagg_round import CHUNKS, RECORD, SecAggRound, parse_chunks, round_weights
+from federation.coordinator.secagg_round import SecAggRound, round_weights
+from federation.protocol.message_keys import SECAGG as RECORD
+from federation.protocol.message_keys import SECAGG_CHUNKS as CHUNKS
+from federation.protocol.secagg_records import parse_chunks
 
 RUN_ID = 4242
 SHAPES = {"w": (6, 5), "b": (5,), "z": (3,)}
@@ -350,8 +354,22 @@ def test_linear_codecs_decode_to_the_plain_weighted_mean(tmp_path, codec):
 
 def test_fedadam_gets_a_mean_update_like_plain_rounds(tmp_path):
     coord, _ = make(tmp_path, n=4, strategy="fedadam", secagg={"threshold": 2})
+    start = {k: v.copy() for k, v in coord.model.items()}
+    seen = []
+    step = coord.opt.step
+    coord.opt.step = lambda model, mean: seen.append(mean) or step(model, mean)
     line = coord.train_round(1)
     assert line["status"] == "aggregated" and all(np.isfinite(v).all() for v in coord.model.values())
+    # the server optimizer got the plaintext weighted mean of the sites' (clipped) updates, within the SecAgg bound
+    want = expected_mean(coord, 1, list("abcd"), line["secagg"]["clip"])
+    assert len(seen) == 1 and set(seen[0]) == set(SHAPES)
+    for k in SHAPES:
+        assert np.abs(seen[0][k].astype(np.float64) - want[k]).max() <= line["secagg"]["error_bound"] + 1e-7, k
+    # and FedAdam moved the model as it would with that plaintext mean from a plain round
+    ref = ServerOptimizer("fedadam", "delta", coord.fed.effective_server_lr).step(
+        start, {k: v.astype(np.float32) for k, v in want.items()})
+    for k in SHAPES:
+        np.testing.assert_allclose(coord.model[k], ref[k], rtol=0, atol=1e-5)
 
 
 # ---- the site handlers on their own --------------------------------------------------------------

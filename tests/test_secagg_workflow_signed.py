@@ -20,7 +20,8 @@ from crypto.secagg.context import RoundContext as SecAggContext
 from crypto.secagg.keys import KeyPair
 from crypto.secagg.signing import CHANNELS, ChunkManifest, Signature, SignatureRejected, sign, verify
 from federation.site import secagg_mod as secagg_site
-from federation.coordinator.secagg_round import CHUNKS, RECORD
+from federation.protocol.message_keys import SECAGG as RECORD
+from federation.protocol.message_keys import SECAGG_CHUNKS as CHUNKS
 from test_secagg_workflow import _task_identity, check_exact, make  # noqa: F401 (autouse fixture)
 
 SITES = list("abcde")

@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from crypto.attestation.policy import Policy
-from site_trainer.config import StrictModel
+from federation.config.strict import StrictModel
 
 DEV_MEASUREMENT_CLAIM = "measurement"
 

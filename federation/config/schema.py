@@ -1,7 +1,7 @@
-"""The configuration schema: one YAML file describes a federation and its sites.
+"""The configuration schema: one YAML file describes a federation, its workload and its sites.
 
 Everything is validated before any process starts; an invalid file is rejected with a message
-that names the file, the field and what to do about it.
+that names the file, the field and what to do about it. configs/README.md describes every field.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from crypto.secagg import SecAggConfig
 from federation.config.attestation_config import AttestationConfig
+from federation.config.strict import StrictModel
 from federation.protocol.codecs import CodecError, parse_codec_config, validate_for_protection
-from site_trainer.config import SiteConfig, StrictModel, WorkloadConfig
+from site_trainer.config import SiteConfig, WorkloadConfig
 
 
 class Deadlines(StrictModel):
@@ -32,26 +33,26 @@ class Deadlines(StrictModel):
 class FederationConfig(StrictModel):
     """What the coordinator runs."""
 
-    name: str = Field("sovfl", pattern=r"^[A-Za-z0-9_.-]+$")
-    rounds: int = Field(3, ge=1)
+    name: str = Field("sovfl", pattern=r"^[A-Za-z0-9_.-]+$", description="binds envelopes and SecAgg contexts")
+    rounds: int = Field(3, ge=1, description="rounds to run")
     sites_per_round: int | None = Field(None, ge=1, description="sample this many sites; all if unset")
     quorum: int = Field(1, ge=1, description="fewest successful sites for a round to count")
-    strategy: Literal["fedavg", "fedadam", "fedyogi"] = "fedavg"
-    update_kind: Literal["weights", "delta"] = "delta"
+    strategy: Literal["fedavg", "fedadam", "fedyogi"] = Field("fedavg", description="the server optimizer")
+    update_kind: Literal["weights", "delta"] = Field("delta", description="what sites send back")
     server_lr: float | None = Field(None, gt=0, description="default: 1.0 for fedavg, 0.05 otherwise")
     server_beta1: float = Field(0.9, ge=0, lt=1)
     server_beta2: float = Field(0.99, ge=0, lt=1)
     server_tau: float = Field(1e-3, gt=0)
-    evaluate: bool = True
-    seed: int = 0
+    evaluate: bool = Field(True, description="evaluate the global model on every site after each round")
+    seed: int = Field(0, description="sampling, round seeds of shared-seed codecs, downlink steps")
     deadlines: Deadlines = Deadlines()
-    codec: str = Field("identity", description="update codec spec, e.g. 'topk:0.01+int8' (see federation/codecs)")
+    codec: str = Field("identity", description="update codec spec, e.g. 'topk:0.01+int8' (see configs/README.md)")
     error_feedback: bool = Field(True, description="keep what a lossy codec did not send, per site, for the next round")
     secagg: SecAggConfig = SecAggConfig(enabled=False)
     seal: bool = Field(False, description="seal every update to the coordinator's (attested) key")
     attestation: AttestationConfig = AttestationConfig()
     downlink_codec: str = Field("identity", description="codec of the global model sent to sites, e.g. 'int8' "
-                                "(federation/downlink.py); any codec, also with secagg; identity: dense")
+                                "(configs/README.md); any codec, also with secagg; identity: dense")
 
     @field_validator("downlink_codec")
     @classmethod
@@ -64,6 +65,7 @@ class FederationConfig(StrictModel):
 
     @property
     def protection(self) -> str:
+        """How updates are protected: "secagg" (masked), "sealed" or "none" (signed only)."""
         return "secagg" if self.secagg.enabled else ("sealed" if self.seal else "none")
 
     @model_validator(mode="after")
@@ -76,6 +78,7 @@ class FederationConfig(StrictModel):
 
     @property
     def effective_server_lr(self) -> float:
+        """server_lr, or its default for the strategy (1.0 for FedAvg, 0.05 for FedAdam/FedYogi)."""
         # FedAdam/FedYogi steps are normalised, so lr 1.0 would move every weight by ~1 per round.
         if self.server_lr is not None:
             return self.server_lr

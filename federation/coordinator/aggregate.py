@@ -12,18 +12,19 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-Arrays = dict[str, np.ndarray]
+from federation.protocol.codecs import Arrays
 
 
 class WeightedMean:
     """Σ n_i·u_i / Σ n_i, accumulated one update at a time."""
 
     def __init__(self) -> None:
-        self._sum: dict[str, np.ndarray] = {}
+        self._sum: Arrays = {}
         self.total_weight = 0.0
         self.count = 0
 
     def add(self, update: Arrays, weight: float) -> None:
+        """Fold one update in with its (positive) weight."""
         if weight <= 0:
             raise ValueError(f"weight must be positive, got {weight}")
         for name, arr in update.items():
@@ -36,6 +37,7 @@ class WeightedMean:
         self.count += 1
 
     def result(self) -> Arrays:
+        """The mean so far, float32."""
         if not self.count:
             raise ValueError("no update was added")
         return {k: (v / self.total_weight).astype(np.float32) for k, v in self._sum.items()}
@@ -55,6 +57,7 @@ class ServerOptimizer:
     v: Arrays = field(default_factory=dict)
 
     def step(self, model: Arrays, mean_update: Arrays) -> Arrays:
+        """The next global model from the round's mean update (weights or delta, per update_kind)."""
         delta = mean_update if self.update_kind == "delta" else {k: mean_update[k] - model[k] for k in model}
         if self.strategy == "fedavg":
             if self.update_kind == "weights" and self.lr == 1.0:
@@ -75,8 +78,10 @@ class ServerOptimizer:
         return out
 
     def state(self) -> Arrays:
+        """The moments to checkpoint (m/<name>, v/<name>)."""
         return {**{f"m/{k}": v for k, v in self.m.items()}, **{f"v/{k}": v for k, v in self.v.items()}}
 
     def load_state(self, arrays: Arrays) -> None:
+        """Restore moments written by `state`."""
         self.m = {k[2:]: v for k, v in arrays.items() if k.startswith("m/")}
         self.v = {k[2:]: v for k, v in arrays.items() if k.startswith("v/")}

@@ -7,8 +7,11 @@ from pathlib import Path
 
 import numpy as np
 
+from federation.protocol.codecs import Arrays
 
-def save_checkpoint(directory: Path, rnd: int, model: dict[str, np.ndarray], opt_state: dict[str, np.ndarray]) -> Path:
+
+def save_checkpoint(directory: Path, rnd: int, model: Arrays, opt_state: Arrays) -> Path:
+    """Write round `rnd`'s model and optimizer state, then point latest.npz at it (each step atomic)."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"round_{rnd:04d}.npz"
     tmp = directory / f".round_{rnd:04d}.npz.tmp"
@@ -25,7 +28,7 @@ def save_checkpoint(directory: Path, rnd: int, model: dict[str, np.ndarray], opt
     return path
 
 
-def load_checkpoint(path: Path) -> tuple[int, dict[str, np.ndarray], dict[str, np.ndarray]]:
+def load_checkpoint(path: Path) -> tuple[int, Arrays, Arrays]:
     """Returns (round, model, optimizer state)."""
     with np.load(path) as z:
         model = {k[6:]: z[k] for k in z.files if k.startswith("model/")}

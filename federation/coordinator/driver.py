@@ -1,9 +1,11 @@
-"""The coordinator's round loop, driven through Flower's Grid (Message API).
+"""The driver: runs the round strategies over Flower's Grid (Message API) and keeps the run.
 
-Each stage pushes messages, then pulls replies until its deadline; a site that crashes, errs or
-misses the deadline is reported by name and the round goes on if the quorum holds. Updates are
-decoded, checked and folded into a running weighted mean as they arrive. After every round the
-global model is checkpointed and one JSON line of metrics is written.
+The strategies (plain_round.py, secagg_round.py, admission.py, evaluation.py) say what each stage
+sends and how replies fold; this module owns everything else: pushing messages and pulling replies
+until each stage's deadline, naming the sites that crash, err or miss it, counting bytes and
+rejections, applying the server optimizer, checkpointing the global model after every round and
+writing one JSON line of metrics per round. A round goes on with the sites that answered if the
+quorum holds; otherwise it is skipped and the global model is left unchanged.
 """
 
 from __future__ import annotations
@@ -11,9 +13,12 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import TypeVar
 
 import numpy as np
 from flwr.app import ConfigRecord, Message, RecordDict
@@ -21,19 +26,26 @@ from flwr.serverapp import Grid
 
 from crypto.envelope import ReplayGuard
 from crypto.pki import CoordinatorBundle
-from federation.coordinator.admission import Admission
+from federation.config import ExperimentConfig
+from federation.coordinator.admission import Admission, AdmissionOutcome
 from federation.coordinator.aggregate import ServerOptimizer
 from federation.coordinator.checkpoint import save_checkpoint
-from federation.protocol.update_codec import CodecStage, round_seed
-from federation.protocol.codecs import UpdateSpec
-from federation.config.schema import ExperimentConfig
-from federation.protocol.downlink_steps import DownlinkSender
-from federation.protocol.pipeline import Pipeline
-from federation.protocol.envelope_stage import CoordinatorProtection
-from federation.coordinator.plain_round import PlainRound, RoundProtocol
+from federation.coordinator.downlink_sender import DownlinkSender
+from federation.coordinator.evaluation import Evaluation
+from federation.coordinator.plain_round import PlainRound
+from federation.coordinator.strategy import Exchange, ExchangeResult, Reply, RoundInput, RoundOutcome, Site, Strategy
+from federation.protocol import message_keys as keys
+from federation.protocol.codecs import Arrays
+from federation.protocol.payload_records import record_bytes
+from federation.protocol.pipeline import RoundContext
+from federation.protocol.round_config import RoundConfig
+from federation.protocol.update_codec import round_seed
+
+__all__ = ["Coordinator", "FederationFailed", "Site"]
 
 log = logging.getLogger("sovfl.coordinator")
 POLL_S = 0.2
+O = TypeVar("O")
 
 
 class FederationFailed(RuntimeError):
@@ -41,27 +53,18 @@ class FederationFailed(RuntimeError):
 
 
 @dataclass
-class Site:
-    node_id: int
-    name: str
-    num_examples: int
+class Traffic:
+    """Array bytes a strategy's stages sent and received (good replies only)."""
 
-
-@dataclass
-class StageResult:
-    ok: dict[str, Message] = field(default_factory=dict)
-    failed: dict[str, str] = field(default_factory=dict)  # site -> reason
-    bytes_down: int = 0
-
-
-def record_bytes(rd: RecordDict) -> int:
-    """Bytes of array data in a message, as serialized for the wire."""
-    return sum(len(a.data) for rec in rd.array_records.values() for a in rec.values())
+    down: int = 0
+    up: int = 0
 
 
 class Coordinator:
-    def __init__(self, grid: Grid, cfg: ExperimentConfig, workdir: Path, run_id: int,
-                 initial: dict[str, np.ndarray], progress: Callable[[str], None] | None = None,
+    """The run on the coordinator: sites, global model, server optimizer, strategies and metrics."""
+
+    def __init__(self, grid: Grid | None, cfg: ExperimentConfig, workdir: Path, run_id: int,
+                 initial: Arrays, progress: Callable[[str], None] | None = None,
                  bundle: CoordinatorBundle | None = None):
         self.grid, self.cfg, self.workdir, self.run_id = grid, cfg, Path(workdir), run_id
         self.fed = cfg.federation
@@ -71,41 +74,48 @@ class Coordinator:
                                    self.fed.server_beta1, self.fed.server_beta2, self.fed.server_tau)
         self.bundle = bundle
         self.replay = ReplayGuard()  # one per run: a (run, round, site) envelope opens once
-        self.protocol: RoundProtocol = PlainRound()
+        self.protocol: Strategy = PlainRound(self.fed, bundle, self.replay)
         if self.fed.secagg.enabled:
             from federation.coordinator.secagg_round import SecAggRound
 
-            self.protocol = SecAggRound(self.fed.secagg)
+            self.protocol = SecAggRound(self.fed, bundle, self.replay)
         self.admission: Admission | None = None
         if self.fed.attestation.enabled:
             if bundle is None:
                 raise FederationFailed("federation.attestation needs the coordinator's provisioned bundle (its "
                                        "sealing key is what its evidence binds, the registry holds the sites' keys)")
             self.admission = Admission(self.fed.attestation.coordinator, bundle, self.fed.attestation.stage_s)
+        self.evaluation = Evaluation(self.fed.deadlines.evaluate_s)
         self.sites: dict[int, Site] = {}
-        self.rejections: dict[str, int] = {}
+        self.rejections: Counter[str] = Counter()
         self.downlink = DownlinkSender(self.fed.downlink_codec, self.fed.seed)
         self._progress = progress or (lambda line: log.info(line))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.workdir / "metrics.jsonl"
 
     def progress(self, line: str) -> None:
+        """A line for the operator (progress.log and stdout under the ServerApp)."""
         self._progress(line)
 
-    # ---- messaging -------------------------------------------------------------------------
-    def exchange(self, nodes: Iterable[int], kind: str, content: Callable[[int], RecordDict],
-                 deadline_s: float, on_reply: Callable[[str, int, Message], None] | None = None) -> StageResult:
+    def site_name(self, node: int) -> str:
+        """The name a node gave at discovery (node-<id> for one that never did)."""
+        site = self.sites.get(node)
+        return site.name if site else f"node-{node}"
+
+    # ---- messaging -------------------------------------------------------------------------------
+    def exchange(self, ex: Exchange, receive: Callable[[Reply], None] | None = None) -> ExchangeResult:
         """Push one message per node and collect replies until all answered or the deadline.
 
-        With `on_reply`, each good reply is handed over as soon as it is pulled and not kept
-        (replies are pulled one at a time), so a stage of large replies holds at most one."""
-        result = StageResult()
+        With `receive`, each good reply is handed over as soon as it is pulled and not kept
+        (replies are pulled one at a time), so a stage of large replies holds at most one;
+        without, the good replies come back in the result."""
+        result, t0 = ExchangeResult(), time.monotonic()
         msgs = []
-        for node in nodes:
-            rd = content(node)
+        for node in ex.nodes:
+            rd = ex.content(node)
             result.bytes_down += record_bytes(rd)
             # a little TTL beyond our deadline so a site's own timeout report can still get through
-            msgs.append(Message(rd, dst_node_id=node, message_type=kind, ttl=deadline_s + 10))
+            msgs.append(Message(rd, dst_node_id=node, message_type=ex.message_type, ttl=ex.deadline_s + 10))
         names = {m.metadata.dst_node_id: self.site_name(m.metadata.dst_node_id) for m in msgs}
         pending: dict[str, int] = {}
         for mid, m in zip(list(self.grid.push_messages(msgs)), msgs):
@@ -114,42 +124,90 @@ class Coordinator:
             else:
                 result.failed[names[m.metadata.dst_node_id]] = "push_failed: the SuperLink did not accept the message"
         del msgs
-        end = time.monotonic() + deadline_s
+        end = time.monotonic() + ex.deadline_s
         while pending and time.monotonic() < end:
-            batches = [[mid] for mid in pending] if on_reply else [list(pending)]
+            batches = [[mid] for mid in pending] if receive else [list(pending)]
             for ids in batches:
                 for reply in self.grid.pull_messages(ids):
                     node = pending.pop(reply.metadata.reply_to_message_id, None)
                     if node is None:
                         continue
-                    name = names[node]
-                    if reply.has_error():
-                        reason = str(reply.error.reason)
-                        result.failed[name] = (f"deadline: the message expired before the site answered ({reason})"
-                                               if "TTL" in reason else f"client_error: {reason}")
-                        continue
-                    status = reply.content.config_records.get("status")
-                    if status is None or not status.get("ok", False):
-                        result.failed[name] = f"site_error: {status.get('error') if status else 'no status in reply'}"
-                        continue
-                    self.downlink.heard(node, status)
-                    if on_reply is None:
-                        result.ok[name] = reply
-                    else:
-                        on_reply(name, node, reply)
-                reply = None  # with on_reply: drop this reply before the next pull
+                    good = self._check_reply(result, names[node], node, reply)
+                    if good is not None:
+                        (receive or result.replies.append)(good)
+                reply = good = None  # streamed: drop this reply before the next pull
             if pending:
                 time.sleep(POLL_S)
         for node in pending.values():
-            result.failed[names[node]] = f"deadline: no reply within {deadline_s:.0f}s (crashed, hung or disconnected)"
+            result.failed[names[node]] = f"deadline: no reply within {ex.deadline_s:.0f}s (crashed, hung or disconnected)"
+        result.seconds = time.monotonic() - t0
         return result
 
-    def site_name(self, node: int) -> str:
-        site = self.sites.get(node)
-        return site.name if site else f"node-{node}"
+    def _check_reply(self, result: ExchangeResult, name: str, node: int, reply: Message) -> Reply | None:
+        """A good reply, or None with the site's failure recorded in `result`."""
+        if reply.has_error():
+            reason = str(reply.error.reason)
+            result.failed[name] = (f"deadline: the message expired before the site answered ({reason})"
+                                   if "TTL" in reason else f"client_error: {reason}")
+            return None
+        status = reply.content.config_records.get(keys.STATUS)
+        if status is None or not status.get("ok", False):
+            result.failed[name] = f"site_error: {status.get('error') if status else 'no status in reply'}"
+            return None
+        self.downlink.heard(node, status)
+        result.bytes_up += record_bytes(reply.content)
+        return Reply(name, node, reply)
 
-    # ---- stages ------------------------------------------------------------------------------
+    def drive(self, strategy: Strategy[object, O], state: object) -> tuple[O, Traffic]:
+        """Run a strategy's steps over the Grid, then its `finish` (or `abort`)."""
+        traffic = Traffic()
+        try:
+            for step in strategy.steps():
+                ex = step.configure(state)
+                if ex is None:
+                    continue
+                result = self.exchange(ex, partial(step.receive, state) if step.receive else None)
+                traffic.down += result.bytes_down
+                traffic.up += result.bytes_up
+                step.aggregate(state, result)
+            return strategy.finish(state), traffic
+        except strategy.aborts as err:
+            return strategy.abort(state, err), traffic
+
+    # ---- what the strategies are given -----------------------------------------------------------
+    def round_context(self, rnd: int) -> RoundContext:
+        """The round's identity, for the coordinator's side of the pipeline."""
+        return RoundContext(self.fed.name, self.run_id, rnd, "", self.round_seed(rnd))
+
+    def round_config(self, rnd: int, deadline_s: float) -> RoundConfig:
+        """The CONFIG record of a stage's messages."""
+        return RoundConfig(round=rnd, federation=self.fed.name, update_kind=self.fed.update_kind,
+                           seed=self.round_seed(rnd), codec=self.fed.codec, error_feedback=self.fed.error_feedback,
+                           seal=self.fed.seal,
+                           # the site must answer before our deadline, ClientApp start-up (a few seconds) included
+                           deadline_s=max(1.0, deadline_s * 0.8 - 2.0))
+
+    def model_message(self, rnd: int, deadline_s: float) -> Callable[[int], RecordDict]:
+        """The global model (with a downlink codec: the encoded steps from the model each site holds,
+        coordinator/downlink_sender.py) and the round config, serialized once per stage and content
+        and shared by the messages."""
+        records = self.downlink.stage(self.model, self.site_name)
+        config = self.round_config(rnd, deadline_s).to_record()
+        return lambda node: RecordDict({**records(node), keys.CONFIG: config})
+
+    def round_seed(self, rnd: int) -> int:
+        """The public seed of round `rnd` (shared-seed codecs)."""
+        return round_seed(self.fed.seed, rnd)
+
+    def round_horizon_s(self) -> float:
+        """The latest an update of this round can arrive, every stage at its deadline."""
+        d = self.fed.deadlines
+        stages = d.round_s + 2 * self.fed.attestation.stage_s
+        return stages + (3 * d.secagg_stage_s if self.fed.secagg.enabled else 0.0)
+
+    # ---- stages of the run -----------------------------------------------------------------------
     def wait_for_sites(self) -> None:
+        """Wait for the configured sites to connect and say who they are (`deadlines.connect_s`)."""
         want = len(self.cfg.sites)
         end = time.monotonic() + self.fed.deadlines.connect_s
         nodes: list[int] = []
@@ -159,16 +217,15 @@ class Coordinator:
                 break
             time.sleep(0.5)
         self.progress(f"{len(nodes)}/{want} site(s) connected")
-        res = self.exchange(nodes, "query", lambda n: RecordDict({"config": ConfigRecord({})}),
-                             self.fed.deadlines.connect_s)
+        res = self.exchange(Exchange("discovery", "query", nodes, lambda n: RecordDict({keys.CONFIG: ConfigRecord({})}),
+                                     self.fed.deadlines.connect_s))
         known = {s.id for s in self.cfg.sites}
-        for name, reply in res.ok.items():
-            st = reply.content.config_records["status"]
-            site = str(st["site"])
+        for reply in res.replies:
+            node, site = reply.message.metadata.src_node_id, str(reply.status["site"])
             if site not in known:
-                self.progress(f"ignoring node {reply.metadata.src_node_id}: site '{site}' is not in the configuration")
+                self.progress(f"ignoring node {node}: site '{site}' is not in the configuration")
                 continue
-            self.sites[reply.metadata.src_node_id] = Site(reply.metadata.src_node_id, site, int(st["num_examples"]))
+            self.sites[node] = Site(node, site, int(reply.status["num_examples"]))
         for name, reason in res.failed.items():
             self.progress(f"site discovery: {name} failed: {reason}")
         if len(self.sites) < self.fed.quorum:
@@ -179,64 +236,48 @@ class Coordinator:
         self.progress("sites: " + ", ".join(f"{s.name} ({s.num_examples} examples)" for s in self.sites.values()))
 
     def sample(self, rnd: int) -> list[int]:
+        """The sites of round `rnd` (`sites_per_round`, reproducible from the federation seed)."""
         nodes = sorted(self.sites)
         k = min(self.fed.sites_per_round or len(nodes), len(nodes))
         rng = np.random.default_rng([self.fed.seed, rnd])
         # node ids are uint64 and may exceed int64: sample positions, never the ids themselves
         return sorted(nodes[i] for i in rng.choice(len(nodes), size=k, replace=False).tolist())
 
-    def _round_config(self, rnd: int, deadline_s: float) -> ConfigRecord:
-        return ConfigRecord({
-            "round": rnd, "federation": self.fed.name, "update_kind": self.fed.update_kind,
-            "seed": self.round_seed(rnd), "codec": self.fed.codec, "error_feedback": self.fed.error_feedback,
-            "seal": self.fed.seal,
-            # the relay must answer before our deadline, ClientApp start-up (a few seconds) included
-            "deadline_s": max(1.0, deadline_s * 0.8 - 2.0),
-        })
+    def admit(self, rnd: int, nodes: list[int], horizon_s: float) -> AdmissionOutcome:
+        """Attested admission of `nodes` (see admission.py); refusals are counted and logged."""
+        assert self.admission is not None
+        state = self.admission.begin(rnd, nodes, {n: self.site_name(n) for n in nodes}, horizon_s)
+        out, _ = self.drive(self.admission, state)
+        for name, reason in out.excluded.items():
+            self.rejections["attestation:" + out.codes[name]] += 1
+            self.progress(f"round {rnd}: site {name} NOT ADMITTED: {reason}")
+        return out
 
-    def model_message(self, rnd: int, deadline_s: float) -> Callable[[int], RecordDict]:
-        """The global model (with a downlink codec: the encoded steps from the model each site holds,
-        federation/downlink.py), serialized once per stage and content and shared by the messages."""
-        records = self.downlink.stage(self.model, self.site_name)
-        config = self._round_config(rnd, deadline_s)
-        return lambda node: RecordDict({**records(node), "config": config})
-
-    def update_pipeline(self) -> Pipeline:
-        """The coordinator's side of the update pipeline, fresh per round (stages keep timings)."""
-        stages: list = []
-        if self.fed.codec != "identity":
-            stages.append(CodecStage.from_spec(self.fed.codec, self.fed.error_feedback, layout=UpdateSpec.of(self.model)))
-        if self.bundle is not None:
-            stages.append(CoordinatorProtection(self.bundle, require_sealed=self.fed.seal, replay=self.replay))
-        return Pipeline(tuple(stages))
-
-    def round_seed(self, rnd: int) -> int:
-        return round_seed(self.fed.seed, rnd)
-
-    record_bytes = staticmethod(record_bytes)
-
-    def count_rejection(self, reason: str) -> None:
-        self.rejections[reason] = self.rejections.get(reason, 0) + 1
-
-    def round_horizon_s(self) -> float:
-        """The latest an update of this round can arrive, every stage at its deadline."""
-        d = self.fed.deadlines
-        stages = d.round_s + 2 * self.fed.attestation.stage_s
-        return stages + (3 * d.secagg_stage_s if self.fed.secagg.enabled else 0.0)
+    def round_input(self, rnd: int, nodes: list[int]) -> RoundInput:
+        """What the round strategy is given for round `rnd`."""
+        return RoundInput(self.round_context(rnd), nodes, self.sites, self.model, self.spec,
+                          partial(self.model_message, rnd), self.progress)
 
     def train_round(self, rnd: int) -> dict:
+        """Sample, admit, run the round strategy, apply the mean update and checkpoint; the round's
+        metrics line (without evaluation and downlink)."""
         t0 = time.monotonic()
         nodes = self.sample(rnd)
         sampled, admission = len(nodes), None
         if self.admission is not None:
-            admission = self.admission.run(self, rnd, nodes, self.round_horizon_s())
+            admission = self.admit(rnd, nodes, self.round_horizon_s())
             nodes = admission.admitted
-        out = self.protocol.train(self, rnd, nodes)
+        out, traffic = self.drive(self.protocol, self.protocol.begin(self.round_input(rnd, nodes)))
+        out.bytes_down, out.bytes_up = traffic.down, traffic.up
+        self.rejections.update(out.rejections)
         for name, reason in out.failed.items():
             self.progress(f"round {rnd}: site {name} excluded: {reason}")
         if admission is not None:
             out.failed.update(admission.excluded)
             out.extra["attestation"] = admission.metrics()
+        return self._apply(rnd, out, sampled, t0)
+
+    def _apply(self, rnd: int, out: RoundOutcome, sampled: int, t0: float) -> dict:
         line = {"round": rnd, "sites": out.per_site, "failed": out.failed, "sampled": sampled,
                 "bytes_down": out.bytes_down, "bytes_up": out.bytes_up, "rejections": dict(self.rejections),
                 **out.extra}
@@ -256,35 +297,32 @@ class Coordinator:
         return line
 
     def evaluate_round(self, rnd: int) -> dict:
+        """Evaluate the global model on every site admitted now; the `eval_*` metrics."""
         nodes = sorted(self.sites)
         if self.admission is not None:  # the model goes only to sites admitted now
             nodes = [n for n in nodes if self.admission.admitted(self.site_name(n))]
-        res = self.exchange(nodes, "evaluate", self.model_message(rnd, self.fed.deadlines.evaluate_s),
-                             self.fed.deadlines.evaluate_s)
-        tot = np.zeros(3)
-        for reply in res.ok.values():
-            m = reply.content.metric_records["metrics"]
-            n = float(m["num_val_examples"])
-            tot += [float(m["eval_loss"]) * n, n, float(m.get("eval_accuracy", np.nan)) * n]
-        out: dict = {"eval_failed": res.failed}
-        if tot[1] > 0:
-            out["eval_loss"] = tot[0] / tot[1]
-            if np.isfinite(tot[2]):
-                out["eval_accuracy"] = tot[2] / tot[1]
+        out, _ = self.drive(self.evaluation, self.evaluation.begin(nodes, partial(self.model_message, rnd)))
         return out
 
+    def run_round(self, rnd: int) -> dict:
+        """One whole round: train, evaluate, downlink figures; the metrics line, also appended to
+        metrics.jsonl."""
+        t0 = time.monotonic()
+        line = self.train_round(rnd)
+        if self.fed.evaluate:
+            line.update(self.evaluate_round(rnd))
+        line["downlink"] = self.downlink.round_metrics()
+        line["round_s"] = time.monotonic() - t0
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(line) + "\n")
+        return line
+
     def run(self) -> dict:
+        """The whole run: discovery, then every round; the run's result (result.json)."""
         self.wait_for_sites()
         history = []
         for rnd in range(1, self.fed.rounds + 1):
-            t0 = time.monotonic()
-            line = self.train_round(rnd)
-            if self.fed.evaluate:
-                line.update(self.evaluate_round(rnd))
-            line["downlink"] = self.downlink.round_metrics()
-            line["round_s"] = time.monotonic() - t0
-            with self.metrics_path.open("a") as f:
-                f.write(json.dumps(line) + "\n")
+            line = self.run_round(rnd)
             history.append(line)
             losses = ", ".join(f"{k}={v['loss']:.4f}" for k, v in line["sites"].items())
             ev = f" eval_loss={line['eval_loss']:.4f}" if "eval_loss" in line else ""
@@ -298,5 +336,5 @@ class Coordinator:
             "aggregated_rounds": sum(h["status"] == "aggregated" for h in history),
             "first_loss": evals[0] if evals else None,
             "last_loss": evals[-1] if evals else None,
-            "rejections": self.rejections,
+            "rejections": dict(self.rejections),
         }

@@ -1,80 +1,85 @@
-"""How one round's updates reach the coordinator: the pluggable round protocol.
-
-`PlainRound` collects each site's update, decodes it through the coordinator's pipeline (codec,
-and later unsealing), checks it and folds it into a running weighted mean. A secure-aggregation
-protocol implements the same `train` signature with its own stages and returns the same outcome.
+"""The plain round: each site's update travels decodable by the coordinator (compressed, signed,
+maybe sealed; not masked). Every update is decoded through the coordinator's side of the pipeline
+(open the envelope, then decode the codec), checked, and folded into a running weighted mean as
+soon as it is pulled, so the coordinator holds O(P) memory however many sites answer.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
 
-import numpy as np
-
+from crypto.envelope import ReplayGuard
+from crypto.pki import CoordinatorBundle
+from federation.config import FederationConfig
 from federation.coordinator.aggregate import WeightedMean
-from federation.protocol.pipeline import RoundContext, UpdateRejected, check_update
+from federation.coordinator.envelope_opener import CoordinatorProtection
+from federation.coordinator.strategy import Exchange, ExchangeResult, Reply, RoundInput, RoundOutcome, Step, site_metrics
+from federation.protocol import message_keys as keys
+from federation.protocol.codecs import UpdateSpec
 from federation.protocol.payload_records import from_records
-
-if TYPE_CHECKING:
-    from federation.coordinator.driver import Coordinator
-
-Arrays = dict[str, np.ndarray]
+from federation.protocol.pipeline import Pipeline, UpdateRejected, check_update
+from federation.protocol.update_codec import CodecStage
 
 
 @dataclass
-class RoundOutcome:
-    mean: Arrays | None  # the sample-weighted mean update of the usable sites
-    count: int  # how many sites' updates are in it
-    per_site: dict[str, dict] = field(default_factory=dict)
-    failed: dict[str, str] = field(default_factory=dict)  # site -> reason
-    bytes_up: int = 0
-    bytes_down: int = 0
-    extra: dict = field(default_factory=dict)  # protocol-specific metrics
+class PlainState:
+    """One plain round in progress."""
 
-
-class RoundProtocol(Protocol):
-    def train(self, coord: "Coordinator", rnd: int, nodes: list[int]) -> RoundOutcome: ...
-
-
-def site_metrics(reply) -> dict:
-    """The per-site part of the round's metrics line, from a train reply."""
-    st = reply.content.config_records["status"]
-    m = dict(reply.content.metric_records.get("metrics", {}))
-    out = {"loss": m.get("loss"), "samples": int(st["num_examples"]), "seconds": m.get("train_s"),
-           "relay_s": m.get("relay_s"), "rank_digests": list(st.get("rank_digests", []))}
-    for key in ("upload_bytes", "dense_bytes", "encode_s", "state_arrays_in"):
-        if key in m:
-            out[key] = m[key]
-    return out
+    inp: RoundInput
+    pipeline: Pipeline
+    out: RoundOutcome = field(default_factory=lambda: RoundOutcome(None, 0))
+    mean: WeightedMean = field(default_factory=WeightedMean)
 
 
 class PlainRound:
-    """Updates travel decodable by the coordinator (compressed, signed; not masked)."""
+    """`Strategy` of one train stage: send the model, decode, check and average the updates."""
 
-    def train(self, coord: "Coordinator", rnd: int, nodes: list[int]) -> RoundOutcome:
-        deadline = coord.fed.deadlines.round_s
-        res = coord.exchange(nodes, "train", coord.model_message(rnd, deadline), deadline)
-        out = RoundOutcome(None, 0, failed=dict(res.failed), bytes_down=res.bytes_down)
-        mean = WeightedMean()
-        pipeline = coord.update_pipeline()
-        for name, reply in res.ok.items():
-            out.bytes_up += coord.record_bytes(reply.content)
-            try:
-                payload = from_records(reply.content, "update", "update_meta")
-                payload = pipeline.decode(payload, RoundContext(coord.fed.name, coord.run_id, rnd, name,
-                                                                coord.round_seed(rnd)))
-                check_update(payload.arrays, coord.spec)
-                n = int(reply.content.config_records["status"]["num_examples"])
-                if n <= 0:
-                    raise UpdateRejected("bad_num_examples", f"num_examples is {n}")
-                mean.add(payload.arrays, n)
-            except UpdateRejected as err:
-                coord.count_rejection(err.reason)
-                out.failed[name] = f"rejected {err}"
-                continue
-            out.per_site[name] = site_metrics(reply)
-        out.count = mean.count
-        out.mean = mean.result() if mean.count else None
-        out.extra["decode_s"] = sum(getattr(s, "decode_s", 0.0) for s in pipeline.stages)
-        return out
+    aborts: tuple[type[BaseException], ...] = ()
+
+    def __init__(self, fed: FederationConfig, bundle: CoordinatorBundle | None, replay: ReplayGuard):
+        self.fed, self.bundle, self.replay = fed, bundle, replay
+
+    def begin(self, inp: RoundInput) -> PlainState:
+        """A fresh state, with the coordinator's side of the pipeline (its stages keep timings)."""
+        stages: list = []
+        if self.fed.codec != "identity":
+            stages.append(CodecStage.from_spec(self.fed.codec, self.fed.error_feedback, layout=UpdateSpec.of(inp.model)))
+        if self.bundle is not None:
+            stages.append(CoordinatorProtection(self.bundle, require_sealed=self.fed.seal, replay=self.replay))
+        return PlainState(inp, Pipeline(tuple(stages)))
+
+    def steps(self) -> tuple[Step[PlainState], ...]:
+        """One stage: train."""
+        return (Step(self.configure_train, self.aggregate_train, self.receive_update),)
+
+    def configure_train(self, st: PlainState) -> Exchange:
+        """The model message to every sampled site."""
+        deadline = self.fed.deadlines.round_s
+        return Exchange("train", "train", st.inp.nodes, st.inp.model_message(deadline), deadline)
+
+    def receive_update(self, st: PlainState, reply: Reply) -> None:
+        """Decode, check and fold one site's update; a bad one is rejected with its reason."""
+        content = reply.message.content
+        try:
+            payload = from_records(content, keys.UPDATE, keys.UPDATE_META)
+            payload = st.pipeline.decode(payload, st.inp.ctx.for_site(reply.name))
+            check_update(payload.arrays, st.inp.spec)
+            n = int(reply.status["num_examples"])
+            if n <= 0:
+                raise UpdateRejected("bad_num_examples", f"num_examples is {n}")
+            st.mean.add(payload.arrays, n)
+        except UpdateRejected as err:
+            st.out.reject(reply.name, err.reason, err.detail)
+            return
+        st.out.per_site[reply.name] = site_metrics(reply)
+
+    def aggregate_train(self, st: PlainState, result: ExchangeResult) -> None:
+        """The sites that did not answer, or answered with an error."""
+        st.out.failed.update(result.failed)
+
+    def finish(self, st: PlainState) -> RoundOutcome:
+        """The weighted mean of the usable updates (None if there is none)."""
+        st.out.count = st.mean.count
+        st.out.mean = st.mean.result() if st.mean.count else None
+        st.out.extra["decode_s"] = sum(getattr(s, "decode_s", 0.0) for s in st.pipeline.stages)
+        return st.out

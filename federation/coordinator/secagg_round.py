@@ -1,32 +1,19 @@
-"""Secure aggregation (SecAgg+) as a round protocol on Flower's Message API: the coordinator's side.
+"""Secure aggregation (SecAgg+) as a round strategy: the coordinator's side.
 
 The coordinator learns the weighted sum of the surviving sites' updates and nothing about any
-single one. One round is four stages, each one `exchange` with its own deadline:
+single one. One round is four stages, one `Step` each (configure_X builds the stage's messages,
+aggregate_X folds the replies into `SecAggState`): advertise keys, share keys, masked input (the
+train message) and unmask. The message formats are in protocol/secagg_records.py; the site's side
+is site/secagg_mod.py.
 
-  stage  message  coordinator -> site                      site -> coordinator
-  1      query    "secagg" ConfigRecord: round context,     public keys (advert bytes)
-                  config (JSON)
-  2      query    the neighbours' adverts                   Shamir shares of b_u and s_u, sealed
-                                                            to each neighbour (envelopes)
-  3      train    the global model + "config" (as in a      "secagg_chunks" ArrayRecord: one uint32
-                  plain round) + "secagg": the envelopes    Array per masked chunk (4 bytes per
-                  addressed to this site, its weight        parameter), "secagg" ConfigRecord
-  4      query    survivors / dropped neighbours            seed shares of survivors, key shares
-                                                            of dropped neighbours
-
-Every request ConfigRecord "secagg" holds: stage, round, run (the SecAgg round context's run id,
-"<federation>/<flower run id>"), graph_seed (32 bytes), config (the SecAggConfig as JSON) and, from
-stage 2 on, request (the crypto library's request bytes). Replies echo stage, round and ctx (the
-SHA-256 of the round context); a reply for another stage, round or run is rejected.
-
-Signatures (crypto.secagg.signing): every reply carries sig_header and sig, the site's Ed25519
-signature over its content (stage 3: the manifest of its chunks) bound to federation, run, round,
-stage and site. With a coordinator bundle each is verified against the site's registered key and
-the run's replay guard; a missing or bad signature rejects the message (counted under its own
-reason, e.g. secagg_unsigned, secagg_bad_signature, secagg_digest_mismatch), and the site counts
-as dropped in that stage. The stage-2 request adds relayed: the neighbours' advert signatures, so
-that each site checks that no key was substituted. Without a bundle (insecure development runs)
-signatures are relayed but not checked here.
+Signatures (crypto.secagg.signing): every reply carries the site's Ed25519 signature over its
+content (stage 3: the manifest of its chunks) bound to federation, run, round, stage and site.
+With a coordinator bundle each is verified against the site's registered key and the run's
+replay guard; a missing or bad signature rejects the message (counted under its own reason, e.g.
+secagg_unsigned, secagg_bad_signature, secagg_digest_mismatch), and the site counts as dropped in
+that stage. The stage-2 request adds `relayed`: the neighbours' advert signatures, so that each
+site checks that no key was substituted. Without a bundle (insecure development runs) signatures
+are relayed but not checked here.
 
 Identities: a site's SecAgg client id is its Flower node id (unsigned 64-bit). The coordinator takes
 it from the node a message was addressed to, which the SuperLink authenticates as the replying
@@ -34,13 +21,15 @@ node; the site takes it from `context.node_id`. Nothing the site writes names it
 
 Dropouts: a site that errs, is rejected or misses a deadline in stage s is treated as having
 vanished after stage s - 1; the crypto library recovers up to n - t of them. When fewer than t
-remain, `SecAggAbort` ends the round: `RoundOutcome.mean` is None (the coordinator skips the round
-and leaves the global model unchanged), the reason is in `extra["secagg"]["aborted"]`, in every
-sampled site's `failed` entry and in the progress log; the next round starts afresh.
+remain, `SecAggAbort` ends the round (the driver calls `abort`): `RoundOutcome.mean` is None (the
+coordinator skips the round and leaves the global model unchanged), the reason is in
+`extra["secagg"]["aborted"]`, in every sampled site's `failed` entry and in the progress log; the
+next round starts afresh.
 
 Memory: masked chunks are added to the SecAggServer's single uint32 accumulator (P + 1 words) as
-each stage-3 reply is pulled, and the reply is dropped right away; replies are pulled one message
-id at a time, so at most one site's masked vector is held besides the accumulator: O(P), not O(N·P).
+each stage-3 reply is pulled (`receive_masked_input`), and the reply is dropped right away; the
+driver pulls a streamed stage's replies one message id at a time, so at most one site's masked
+vector is held besides the accumulator: O(P), not O(N·P).
 
 Weights: a site's weight is its num_examples (as reported at site discovery), an integer the ring
 carries next to the masked vector. When some sampled site has more than `max_weight` examples, every
@@ -58,57 +47,48 @@ feedback does not see that clip or the fixed-point rounding (zero-mean, below on
 from __future__ import annotations
 
 import hashlib
-import logging
 import time
-from typing import TYPE_CHECKING, Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 import numpy as np
-from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.app import RecordDict
 
+import crypto.secagg as secagg
+from crypto.envelope import ReplayGuard
+from crypto.pki import CoordinatorBundle
 from crypto.secagg import (
+    ChunkManifest,
     MalformedMessageError,
     ProtocolViolationError,
     ReplayedMessageError,
     SecAggAbort,
-    SecAggConfig,
     SecAggError,
     SecAggMessageError,
-    SecAggResult,
     SecAggServer,
+    Signature,
     TamperedMessageError,
     new_context,
 )
-from crypto.secagg import RoundContext as SecAggContext
-from crypto.secagg import wire
-from crypto.secagg.signing import ChunkManifest, Signature, verify
-from federation.protocol.codecs import UpdateSpec, parse_codec
-from federation.protocol.codecs import RoundContext as CodecRound
+from crypto.secagg import wire as secagg_wire
+from crypto.secagg.signing import verify
+from federation.config import FederationConfig
+from federation.coordinator.strategy import Exchange, ExchangeResult, Reply, RoundInput, RoundOutcome, Step, site_metrics
+from federation.protocol.codecs import Arrays, UpdateSpec, parse_codec
+from federation.protocol.message_keys import ADVERTISE, MASKED_INPUT, SECAGG, SHARE_KEYS, STAGE_NAMES, UNMASK
 from federation.protocol.pipeline import UpdateRejected, check_update
-from federation.coordinator.plain_round import RoundOutcome, site_metrics
-from federation.site.secagg_mod import ADVERTISE, CHUNKS, MASKED_INPUT, RECORD, SHARE_KEYS, UNMASK
-
-if TYPE_CHECKING:
-    from federation.coordinator.driver import Coordinator
-
-log = logging.getLogger("sovfl.secagg")
-
-STAGE_NAMES = {ADVERTISE: "advertise keys", SHARE_KEYS: "share keys", MASKED_INPUT: "masked input",
-               UNMASK: "unmask"}
-OFFSET_DIGITS = 12  # chunk Array keys: the chunk's word offset, zero-padded (at most twice that here)
-
-
-def context_run_id(federation: str, flower_run_id: int) -> str:
-    """The SecAgg round context's run id: binds keys and messages to this federation and Flower run."""
-    return f"{federation}/{int(flower_run_id)}"
-
-
-def request_record(stage: int, ctx: SecAggContext, config_json: str, request: bytes = b"", **extra) -> ConfigRecord:
-    return ConfigRecord({"stage": stage, "round": ctx.round, "run": ctx.run_id, "graph_seed": ctx.graph_seed,
-                         "config": config_json, "request": request, **extra})
+from federation.protocol.secagg_records import (
+    check_reply,
+    context_run_id,
+    parse_chunks,
+    reply_bytes,
+    request_record,
+    signature_of,
+)
 
 
 def rejection_reason(err: Exception) -> str:
-    """Short stable code for `Coordinator.count_rejection`."""
+    """Short stable code for the round's rejection counts."""
     reason = getattr(err, "reason", None)  # SignatureRejected
     if isinstance(reason, str):
         return reason
@@ -127,51 +107,17 @@ def round_weights(num_examples: dict[int, int], max_weight: int) -> dict[int, in
     return {n: min(max_weight, max(1, int(round(v * max_weight / top)))) for n, v in num_examples.items()}
 
 
-def check_reply(reply: Message, stage: int, ctx: SecAggContext) -> ConfigRecord:
-    """The reply's "secagg" record, if it answers this stage of this round; else a SecAggMessageError."""
-    rec = reply.content.config_records.get(RECORD)
-    if rec is None:
-        raise MalformedMessageError(f"stage-{stage} reply without a '{RECORD}' record")
-    try:
-        if not isinstance(rec["ctx"], bytes):
-            raise TypeError("ctx must be bytes")
-        got = (int(rec["stage"]), int(rec["round"]), rec["ctx"])
-    except (KeyError, TypeError, ValueError) as err:
-        raise MalformedMessageError(f"stage-{stage} reply record is malformed ({type(err).__name__}: {err})") from None
-    if got != (stage, ctx.round, ctx.digest()):
-        raise ReplayedMessageError(f"reply made for stage {got[0]} of round {got[1]} (or another run), "
-                                   f"expected stage {stage} of round {ctx.round}")
-    return rec
-
-
-def reply_bytes(rec: ConfigRecord) -> bytes:
-    data = rec.get("data")
-    if not isinstance(data, bytes):
-        raise MalformedMessageError("reply record has no 'data' bytes")
-    return data
-
-
-def signature_of(rec: ConfigRecord) -> Signature | None:
-    """The reply's signature fields, None when it has none."""
-    header, sig = rec.get("sig_header"), rec.get("sig")
-    if header is None and sig is None:
-        return None
-    if not isinstance(header, bytes) or not isinstance(sig, bytes):
-        raise MalformedMessageError("reply signature fields sig_header / sig are not bytes")
-    return Signature(header, sig)
-
-
 class RoundSignatures:
     """The coordinator's side of signed SecAgg messages for one round (see the module docstring)."""
 
-    def __init__(self, coord: "Coordinator", ctx: SecAggContext, names: dict[int, str]):
-        bundle = coord.bundle
+    def __init__(self, bundle: CoordinatorBundle | None, replay: ReplayGuard, ctx: secagg.RoundContext,
+                 names: dict[int, str]):
         self.trust = bundle.trust() if bundle is not None else None  # None: insecure, not checked
         self.federation_id = bundle.federation_id if bundle is not None else ""
-        self.replay, self.ctx, self.names = coord.replay, ctx, names
+        self.replay, self.ctx, self.names = replay, ctx, names
         self.adverts: dict[int, Signature] = {}
 
-    def check(self, stage: int, node: int, rec: ConfigRecord, content: bytes) -> Signature | None:
+    def check(self, stage: int, node: int, rec, content: bytes) -> Signature | None:
         """The reply's signature, verified as node's stage message; SecAggMessageError if bad."""
         sig = signature_of(rec)
         if self.trust is not None:
@@ -182,232 +128,215 @@ class RoundSignatures:
     def relayed(self, node: int, neighbours: Iterable[int]) -> bytes:
         """The neighbours' advert signatures for node's stage-2 request."""
         sigs = {v: (self.adverts[v].header, self.adverts[v].signature) for v in sorted(neighbours) if v in self.adverts}
-        return wire.encode_advert_signatures(self.ctx, node, sigs)
+        return secagg_wire.encode_advert_signatures(self.ctx, node, sigs)
 
 
-def parse_chunks(reply: Message, length: int, bits: int) -> list[tuple[int, np.ndarray]]:
-    """All masked chunks of a stage-3 reply, validated before any is added to the sum.
+@dataclass
+class SecAggState:
+    """One SecAgg+ round in progress: the crypto server, who is still in, and the metrics so far."""
 
-    They must be 1-D uint32 arrays, keyed by their word offset, that tile [0, length) exactly with
-    words inside Z_2^bits: a site's vector is added whole or not at all (a partial one could not
-    be taken out of the sum again)."""
-    rec = reply.content.array_records.get(CHUNKS)
-    if rec is None:
-        raise MalformedMessageError(f"stage-3 reply without a '{CHUNKS}' array record")
-    chunks = []
-    for key, arr in rec.items():
-        if not (isinstance(key, str) and key.isdigit() and len(key) <= 2 * OFFSET_DIGITS):
-            raise MalformedMessageError(f"masked chunk key {key!r} is not a word offset")
-        if arr.dtype != "uint32" or len(arr.shape) != 1:
-            raise MalformedMessageError(f"masked chunk {key} is {arr.dtype} {tuple(arr.shape)}, expected 1-D uint32")
-        try:
-            words = arr.numpy()
-        except Exception as err:  # hostile bytes: whatever numpy raises while parsing them
-            raise MalformedMessageError(f"masked chunk {key} does not parse ({type(err).__name__})") from None
-        if words.dtype != np.uint32 or words.ndim != 1 or words.shape[0] == 0:
-            raise MalformedMessageError(f"masked chunk {key} holds {words.dtype} {words.shape}")
-        chunks.append((int(key), words))
-    chunks.sort(key=lambda c: c[0])
-    pos = 0
-    for off, words in chunks:
-        if off != pos:
-            raise MalformedMessageError(f"masked chunks leave a gap or overlap at word {min(off, pos)}")
-        pos += words.shape[0]
-        if bits < 32 and int(words.max()) >> bits:
-            raise MalformedMessageError(f"masked chunk at {off} holds words outside Z_2^{bits}")
-    if pos != length:
-        raise MalformedMessageError(f"masked chunks cover {pos} words, the round's vector has {length}")
-    return chunks
+    inp: RoundInput
+    names: dict[int, str]
+    out: RoundOutcome = field(default_factory=lambda: RoundOutcome(None, 0))
+    info: dict = field(default_factory=dict)  # the metrics line's "secagg" entry
+    stage: int = ADVERTISE
+    ctx: secagg.RoundContext | None = None
+    server: SecAggServer | None = None
+    sigs: RoundSignatures | None = None
+    vector_len: int = 0  # m: values each site masks (the weight word comes on top)
+    dense: Callable[[np.ndarray], Arrays] | None = None  # mean values -> dense update
+    roster: list[int] = field(default_factory=list)  # advertised keys (after stage 1)
+    live: list[int] = field(default_factory=list)  # shared keys (after stage 2)
+    survivors: list[int] = field(default_factory=list)  # masked input in the sum (after stage 3)
+    weights: dict[int, int] = field(default_factory=dict)
 
 
 class SecAggRound:
-    """`RoundProtocol` for `federation.secagg.enabled`: see the module docstring."""
+    """`Strategy` for `federation.secagg.enabled`: see the module docstring."""
 
-    def __init__(self, cfg: SecAggConfig):
-        self.cfg = cfg
-        self.config_json = cfg.model_dump_json()
+    aborts = (SecAggAbort,)
 
-    # ---- helpers -------------------------------------------------------------------------------
-    @staticmethod
-    def _names(coord: "Coordinator", nodes: Iterable[int]) -> dict[int, str]:
-        out = {}
-        for n in nodes:
-            site = coord.sites.get(n)
-            out[n] = site.name if site else f"node-{n}"
-        return out
+    def __init__(self, fed: FederationConfig, bundle: CoordinatorBundle | None, replay: ReplayGuard):
+        self.fed, self.cfg, self.bundle, self.replay = fed, fed.secagg, bundle, replay
+        self.config_json = fed.secagg.model_dump_json()
 
-    @staticmethod
-    def stage_s(coord: "Coordinator") -> float:
-        """Deadline of stages 1, 2 and 4 (stage 3 is the train stage: `deadlines.round_s`)."""
-        return float(coord.fed.deadlines.secagg_stage_s)
+    def begin(self, inp: RoundInput) -> SecAggState:
+        """A fresh state; the crypto server is made in the first stage."""
+        st = SecAggState(inp, inp.names(inp.nodes))
+        st.info.update(threshold=None, sampled=len(inp.nodes), stage_s={})
+        st.out.extra["secagg"] = st.info
+        return st
 
-    def _layout(self, coord: "Coordinator", rnd: int):
+    def steps(self) -> tuple[Step[SecAggState], ...]:
+        """The four stages of SecAgg+, in order."""
+        return (Step(self.configure_advertise, self.aggregate_advertise),
+                Step(self.configure_share_keys, self.aggregate_share_keys),
+                Step(self.configure_masked_input, self.aggregate_masked_input, self.receive_masked_input),
+                Step(self.configure_unmask, self.aggregate_unmask))
+
+    def layout(self, inp: RoundInput) -> tuple[int, Callable[[np.ndarray], Arrays]]:
         """(value-vector length m, function mean values -> dense update) for this round's codec."""
-        spec = UpdateSpec.of(coord.model)
-        codec = parse_codec(coord.fed.codec, error_feedback=coord.fed.error_feedback)
+        spec = UpdateSpec.of(inp.model)
+        codec = parse_codec(self.fed.codec, error_feedback=self.fed.error_feedback)
         if codec.sparsifier is None:
             return spec.numel, spec.unflatten
         k = codec.sparsifier.k(spec.numel)
-        ctx = CodecRound(rnd, coord.round_seed(rnd))
+        ctx = inp.ctx.codec_round()
         meta = {"k": k, "seed": ctx.seed, "server_round": ctx.server_round}
 
-        def dense(values: np.ndarray):
+        def dense(values: np.ndarray) -> Arrays:
             flat = np.zeros(spec.numel, dtype=np.float32)
             flat[codec.sparsifier.support({}, meta, spec.numel, ctx)] = values
             return spec.unflatten(flat)
 
         return k, dense
 
-    def _reject(self, coord: "Coordinator", out: RoundOutcome, name: str, stage: int, err: Exception) -> None:
+    # ---- helpers -------------------------------------------------------------------------------
+    def _query(self, st: SecAggState, targets: list[int], requests: dict[int, bytes],
+               extra: dict[int, dict] | None = None) -> Exchange:
+        """A query stage: each target gets its request (and extra fields) in a SECAGG record."""
+        def content(node: int) -> RecordDict:
+            return RecordDict({SECAGG: request_record(st.stage, st.ctx, self.config_json, requests.get(node, b""),
+                                                      **(extra or {}).get(node, {}))})
+        return Exchange(f"secagg stage {st.stage}", "query", targets, content, float(self.fed.deadlines.secagg_stage_s))
+
+    def _reject(self, st: SecAggState, name: str, err: Exception) -> None:
         reason = rejection_reason(err)
-        coord.count_rejection(reason)
-        out.failed[name] = f"rejected {reason}: stage {stage} ({STAGE_NAMES[stage]}): {err}"
-        coord.progress(f"secagg: rejected {name}'s stage-{stage} message ({reason}): {err}; "
-                       "it is treated as dropped")
+        st.out.reject(name, reason, f"stage {st.stage} ({STAGE_NAMES[st.stage]}): {err}")
+        st.inp.log(f"secagg: rejected {name}'s stage-{st.stage} message ({reason}): {err}; it is treated as dropped")
 
-    # ---- the round -----------------------------------------------------------------------------
-    def train(self, coord: "Coordinator", rnd: int, nodes: list[int]) -> RoundOutcome:
-        out = RoundOutcome(None, 0)
-        info: dict = {"threshold": None, "sampled": len(nodes), "stage_s": {}}
-        out.extra["secagg"] = info
-        stage = ADVERTISE
-        try:
-            self._run(coord, rnd, nodes, out, info)
-        except SecAggAbort as err:
-            stage = info.get("stage", stage)
-            detail = str(err)
-            for node, name in self._names(coord, nodes).items():  # name the sites the library calls by id
-                detail = detail.replace(f"client {node}", f"site {name}").replace(str(node), name)
-            reason = f"secure aggregation aborted in stage {stage} ({STAGE_NAMES.get(stage, '?')}): {detail}"
-            info["aborted"] = reason
-            for name in self._names(coord, nodes).values():
-                out.failed.setdefault(name, f"round aborted: {reason}")
-            out.per_site, out.mean, out.count = {}, None, 0
-            coord.progress(f"round {rnd}: {reason}; the global model is unchanged, the next round starts afresh")
-        return out
+    def _failed(self, st: SecAggState, result: ExchangeResult, label: str) -> None:
+        st.out.failed.update({k: f"stage {st.stage} ({label}): {v}" for k, v in result.failed.items()})
+        st.info["stage_s"][str(st.stage)] = round(result.seconds, 3)
 
-    def _run(self, coord: "Coordinator", rnd: int, nodes: list[int], out: RoundOutcome, info: dict) -> None:
-        cfg = self.cfg
-        names = self._names(coord, nodes)
-        ctx = new_context(context_run_id(coord.fed.name, coord.run_id), rnd)
-        m, dense = self._layout(coord, rnd)
-        server = SecAggServer(cfg, ctx, vector_len=m, sampled=nodes)
-        stage_s = self.stage_s(coord)
-        sigs = RoundSignatures(coord, ctx, names)
-
-        def stage_exchange(stage: int, targets: list[int], requests: dict[int, bytes],
-                           extra: dict[int, dict] | None = None) -> dict[int, tuple[bytes, Signature | None]]:
-            t0 = time.monotonic()
-            info["stage"] = stage
-            res = coord.exchange(targets, "query", lambda n: RecordDict({
-                RECORD: request_record(stage, ctx, self.config_json, requests.get(n, b""), **(extra or {}).get(n, {}))}),
-                stage_s)
-            out.bytes_down += res.bytes_down
-            out.failed.update({k: f"stage {stage} ({STAGE_NAMES[stage]}): {v}" for k, v in res.failed.items()})
-            replies = {}
-            for name, reply in res.ok.items():
-                out.bytes_up += coord.record_bytes(reply.content)
-                node = reply.metadata.src_node_id  # authenticated by the SuperLink
-                try:
-                    if node not in targets:
-                        raise ProtocolViolationError(f"reply from node {node}, which was not asked")
-                    rec = check_reply(reply, stage, ctx)
-                    data = reply_bytes(rec)
-                    replies[node] = (data, sigs.check(stage, node, rec, data))
-                except SecAggMessageError as err:
-                    self._reject(coord, out, name, stage, err)
-            info["stage_s"][str(stage)] = round(time.monotonic() - t0, 3)
-            return replies
-
-        # stage 1: advertise keys
-        for node, (data, sig) in stage_exchange(ADVERTISE, list(nodes), {}).items():
+    def _take(self, st: SecAggState, result: ExchangeResult, targets: list[int],
+              take: Callable[[int, bytes, Signature | None], None]) -> None:
+        """Hand each verified reply of a query stage to `take`; what it refuses is a rejection."""
+        for node, (data, sig) in self._verified(st, result, targets).items():
             try:
-                server.receive_advert(node, data)
+                take(node, data, sig)
             except SecAggMessageError as err:
-                self._reject(coord, out, names[node], ADVERTISE, err)
-                continue
-            if sig is not None:
-                sigs.adverts[node] = sig
-        roster = server.close_advertise()
-        assert server.params is not None
-        params = server.params
-        info.update(roster=len(roster), threshold=params.threshold, degree=params.degree,
-                    levels=params.codec.levels, bits=params.codec.bits, clip=params.codec.clip,
-                    vector_len=m)
+                self._reject(st, st.names[node], err)
 
-        # stage 2: share keys
-        requests = {n: server.share_keys_request(n) for n in roster}
-        relayed = {n: {"relayed": sigs.relayed(n, server.graph[n])} for n in roster}
-        for node, (data, _) in stage_exchange(SHARE_KEYS, roster, requests, relayed).items():
+    def _verified(self, st: SecAggState, result: ExchangeResult, targets: list[int]) -> dict[int, tuple[bytes, Signature | None]]:
+        """The replies of a query stage that answer it and carry a good signature: node -> (data, sig)."""
+        self._failed(st, result, STAGE_NAMES[st.stage])
+        replies = {}
+        for reply in result.replies:
+            node = reply.message.metadata.src_node_id  # authenticated by the SuperLink
             try:
-                server.receive_share_keys(node, data)
+                if node not in targets:
+                    raise ProtocolViolationError(f"reply from node {node}, which was not asked")
+                rec = check_reply(reply.message, st.stage, st.ctx)
+                data = reply_bytes(rec)
+                replies[node] = (data, st.sigs.check(st.stage, node, rec, data))
             except SecAggMessageError as err:
-                self._reject(coord, out, names[node], SHARE_KEYS, err)
-        live = server.close_share_keys()
-        for n in set(roster) - set(live):
-            out.failed.setdefault(names[n], "secagg: too few live neighbours after stage 2 (share keys)")
+                self._reject(st, reply.name, err)
+        return replies
 
-        # stage 3: the train message; masked chunks are summed as each reply arrives
-        t0 = time.monotonic()
-        info["stage"] = MASKED_INPUT
-        weights = round_weights({n: coord.sites[n].num_examples if n in coord.sites else 1 for n in live},
-                                cfg.max_weight)
-        model_content = coord.model_message(rnd, coord.fed.deadlines.round_s)
-        requests = {n: server.masked_input_request(n) for n in live}
+    # ---- stage 1: advertise keys ---------------------------------------------------------------
+    def configure_advertise(self, st: SecAggState) -> Exchange:
+        """Set up the round (context, crypto server, signatures) and ask every sampled site for keys."""
+        inp = st.inp
+        st.stage = ADVERTISE
+        st.ctx = new_context(context_run_id(inp.ctx.federation, inp.ctx.run_id), inp.round)
+        st.vector_len, st.dense = self.layout(inp)
+        st.server = SecAggServer(self.cfg, st.ctx, vector_len=st.vector_len, sampled=inp.nodes)
+        st.sigs = RoundSignatures(self.bundle, self.replay, st.ctx, st.names)
+        return self._query(st, list(inp.nodes), {})
 
-        def stage3_content(node: int) -> RecordDict:
-            rd = model_content(node)
-            rd[RECORD] = request_record(MASKED_INPUT, ctx, self.config_json, requests[node],
-                                        weight=weights[node], vector_len=m)
+    def aggregate_advertise(self, st: SecAggState, result: ExchangeResult) -> None:
+        """Take each good advert; the roster is who advertised (SecAggAbort below the threshold)."""
+        def advert(node: int, data: bytes, sig: Signature | None) -> None:
+            st.server.receive_advert(node, data)
+            if sig is not None:  # relayed to its neighbours in stage 2
+                st.sigs.adverts[node] = sig
+
+        self._take(st, result, list(st.inp.nodes), advert)
+        st.roster = st.server.close_advertise()
+        params = st.server.params
+        st.info.update(roster=len(st.roster), threshold=params.threshold, degree=params.degree,
+                       levels=params.codec.levels, bits=params.codec.bits, clip=params.codec.clip,
+                       vector_len=st.vector_len)
+
+    # ---- stage 2: share keys -------------------------------------------------------------------
+    def configure_share_keys(self, st: SecAggState) -> Exchange:
+        """Relay each site its neighbours' adverts, with their signatures."""
+        st.stage = SHARE_KEYS
+        requests = {n: st.server.share_keys_request(n) for n in st.roster}
+        relayed = {n: {"relayed": st.sigs.relayed(n, st.server.graph[n])} for n in st.roster}
+        return self._query(st, st.roster, requests, relayed)
+
+    def aggregate_share_keys(self, st: SecAggState, result: ExchangeResult) -> None:
+        """Take each site's encrypted shares; live sites are those with enough live neighbours."""
+        self._take(st, result, st.roster, lambda node, data, _: st.server.receive_share_keys(node, data))
+        st.live = st.server.close_share_keys()
+        for n in set(st.roster) - set(st.live):
+            st.out.failed.setdefault(st.names[n], "secagg: too few live neighbours after stage 2 (share keys)")
+
+    # ---- stage 3: masked input, in the train message ---------------------------------------------
+    def configure_masked_input(self, st: SecAggState) -> Exchange:
+        """The train message: the model, plus each site's shares and its integer weight."""
+        st.stage = MASKED_INPUT
+        sites = st.inp.sites
+        st.weights = round_weights({n: sites[n].num_examples if n in sites else 1 for n in st.live}, self.cfg.max_weight)
+        deadline = float(self.fed.deadlines.round_s)
+        model = st.inp.model_message(deadline)
+        requests = {n: st.server.masked_input_request(n) for n in st.live}
+
+        def content(node: int) -> RecordDict:
+            rd = model(node)
+            rd[SECAGG] = request_record(MASKED_INPUT, st.ctx, self.config_json, requests[node],
+                                        weight=st.weights[node], vector_len=st.vector_len)
             return rd
 
-        def on_masked(name: str, node: int, reply: Message) -> None:
-            out.bytes_up += coord.record_bytes(reply.content)
-            try:
-                rec = check_reply(reply, MASKED_INPUT, ctx)
-                chunks = parse_chunks(reply, m + 1, params.codec.bits)
-                manifest = ChunkManifest()
-                for off, words in chunks:
-                    manifest.add(off, words)
-                sigs.check(MASKED_INPUT, node, rec, manifest.encode())
-            except SecAggMessageError as err:
-                self._reject(coord, out, name, MASKED_INPUT, err)
-                return
-            try:
-                for off, words in chunks:
-                    server.add_masked_chunk(node, off, words)
-            except SecAggMessageError as err:  # cannot happen after parse_chunks; if it did, stage 3 aborts
-                self._reject(coord, out, name, MASKED_INPUT, err)
-                return
-            metrics = site_metrics(reply)
-            metrics["upload_bytes"] = float(sum(w.nbytes for _, w in chunks))
-            metrics["weight"] = weights[node]
-            out.per_site[name] = metrics
+        return Exchange("secagg stage 3 (train)", "train", st.live, content, deadline)
 
-        res = coord.exchange(live, "train", stage3_content, coord.fed.deadlines.round_s, on_masked)
-        out.bytes_down += res.bytes_down
-        out.failed.update({k: f"stage 3 (masked input, train): {v}" for k, v in res.failed.items()})
-        survivors = server.close_masked_input()
-        info["stage_s"][str(MASKED_INPUT)] = round(time.monotonic() - t0, 3)
+    def receive_masked_input(self, st: SecAggState, reply: Reply) -> None:
+        """Check one site's masked chunks whole, then add them to the sum and drop the reply."""
+        node = reply.node
+        try:
+            rec = check_reply(reply.message, MASKED_INPUT, st.ctx)
+            chunks = parse_chunks(reply.message, st.vector_len + 1, st.server.params.codec.bits)
+            manifest = ChunkManifest()
+            for off, words in chunks:
+                manifest.add(off, words)
+            st.sigs.check(MASKED_INPUT, node, rec, manifest.encode())
+            for off, words in chunks:
+                st.server.add_masked_chunk(node, off, words)
+        except SecAggMessageError as err:  # add_masked_chunk cannot fail after parse_chunks; if it did, stage 3 aborts
+            self._reject(st, reply.name, err)
+            return
+        metrics = site_metrics(reply)
+        metrics["upload_bytes"] = float(sum(w.nbytes for _, w in chunks))
+        metrics["weight"] = st.weights[node]
+        st.out.per_site[reply.name] = metrics
 
-        # stage 4: unmask
-        requests = {n: server.unmask_request(n) for n in survivors}
-        for node, (data, _) in stage_exchange(UNMASK, survivors, requests).items():
-            try:
-                server.receive_unmask(node, data)
-            except SecAggMessageError as err:
-                self._reject(coord, out, names[node], UNMASK, err)
-        info["stage"] = UNMASK
+    def aggregate_masked_input(self, st: SecAggState, result: ExchangeResult) -> None:
+        """The survivors: sites whose masked input is in the sum."""
+        self._failed(st, result, "masked input, train")
+        st.survivors = st.server.close_masked_input()
+
+    # ---- stage 4: unmask -----------------------------------------------------------------------
+    def configure_unmask(self, st: SecAggState) -> Exchange:
+        """Ask the survivors for the shares that remove the masks."""
+        st.stage = UNMASK
+        return self._query(st, st.survivors, {n: st.server.unmask_request(n) for n in st.survivors})
+
+    def aggregate_unmask(self, st: SecAggState, result: ExchangeResult) -> None:
+        """Take each survivor's shares."""
+        self._take(st, result, st.survivors, lambda node, data, _: st.server.receive_unmask(node, data))
+
+    # ---- the outcome ---------------------------------------------------------------------------
+    def finish(self, st: SecAggState) -> RoundOutcome:
+        """Unmask the sum and decode it to the weighted mean update (SecAggAbort if it cannot)."""
+        info, out = st.info, st.out
         t0 = time.monotonic()
-        result = server.finish()
+        result = st.server.finish()
         info["unmask_s"] = round(time.monotonic() - t0, 3)
-        self._finish(coord, result, dense, names, out, info)
-
-    def _finish(self, coord: "Coordinator", result: SecAggResult, dense, names: dict[int, str],
-                out: RoundOutcome, info: dict) -> None:
         t0 = time.monotonic()
-        contributors = [names[n] for n in result.contributors]
-        info.update(contributors=sorted(contributors), dropped=sorted(names[n] for n in result.dropped),
+        contributors = [st.names[n] for n in result.contributors]
+        info.update(contributors=sorted(contributors), dropped=sorted(st.names[n] for n in result.dropped),
                     weight_total=result.weight_total, error_bound=result.error_bound(),
                     ring_sum_sha256=hashlib.sha256(np.ascontiguousarray(result.ring_sum).tobytes()).hexdigest())
         # per_site holds train metrics of the sites whose masked input is in the sum, and only those
@@ -416,11 +345,24 @@ class SecAggRound:
         if late:  # vanished in stage 4: its masked input is in the sum, its seed was rebuilt from shares
             info["unmask_missing"] = late
         try:
-            mean = dense(result.decode())
-            mean = {k: v.astype(np.dtype(coord.spec[k][0]), copy=False) for k, v in mean.items()}
-            check_update(mean, coord.spec)
+            mean = st.dense(result.decode())
+            mean = {k: v.astype(np.dtype(st.inp.spec[k][0]), copy=False) for k, v in mean.items()}
+            check_update(mean, st.inp.spec)
         except (UpdateRejected, SecAggError, ValueError, KeyError) as err:
             raise SecAggAbort(f"the unmasked sum does not decode to an update of the model: {err}") from None
         out.mean, out.count = mean, len(contributors)
         info["decode_s"] = round(time.monotonic() - t0, 3)
-        info.pop("stage", None)
+        return out
+
+    def abort(self, st: SecAggState, err: BaseException) -> RoundOutcome:
+        """Below the threshold (or undecodable): no update this round, every sampled site told why."""
+        detail = str(err)
+        for node, name in st.names.items():  # name the sites the library calls by id
+            detail = detail.replace(f"client {node}", f"site {name}").replace(str(node), name)
+        reason = f"secure aggregation aborted in stage {st.stage} ({STAGE_NAMES.get(st.stage, '?')}): {detail}"
+        st.info.update(stage=st.stage, aborted=reason)
+        for name in st.names.values():
+            st.out.failed.setdefault(name, f"round aborted: {reason}")
+        st.out.per_site, st.out.mean, st.out.count = {}, None, 0
+        st.inp.log(f"round {st.inp.round}: {reason}; the global model is unchanged, the next round starts afresh")
+        return st.out

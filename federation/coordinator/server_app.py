@@ -11,8 +11,7 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from crypto.pki import CoordinatorBundle
-from federation.config.attestation_config import AttestationConfig, resolve
-from federation.config.schema import ConfigError, load_config
+from federation.config import AttestationConfig, ConfigError, load_config, resolve
 from federation.coordinator.driver import Coordinator, FederationFailed
 
 app = ServerApp()
@@ -20,6 +19,7 @@ log = logging.getLogger("sovfl.server")
 
 
 def progress_writer(workdir: Path):
+    """A progress callback that prints and appends to progress.log (which the launcher relays)."""
     path = workdir / "progress.log"
 
     def write(line: str) -> None:
@@ -30,6 +30,7 @@ def progress_writer(workdir: Path):
 
 
 def attestation_line(att: AttestationConfig) -> str:
+    """The operator's line on how sites are admitted and how the coordinator attests."""
     kind = att.coordinator.attester.kind if att.coordinator.attester else None
     line = (f"attestation: sites admitted before each round on evidence appraised by "
             f"{sorted(att.coordinator.sites.verifiers)}; the coordinator attests with {kind or 'nothing'}")
@@ -40,6 +41,7 @@ def attestation_line(att: AttestationConfig) -> str:
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
+    """The ServerApp: load the experiment file and keys, run the Coordinator, always write result.json."""
     workdir = Path(str(context.run_config.get("workdir") or ".")).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     progress = progress_writer(workdir)

@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 from crypto.pki import CoordinatorBundle, provision
+from federation.config import ConfigError, load_config
 from federation.ops import launcher
-from federation.config.schema import ConfigError, load_config
 from site_trainer.launch import RendezvousUnreachable, check_node_rank, wait_for_rendezvous
 
 
@@ -19,6 +19,7 @@ def _on_sigterm(signum, frame):  # noqa: ARG001
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    """`sovfl validate`: check a configuration file."""
     cfg = load_config(args.config)
     print(f"{args.config}: OK ({len(cfg.sites)} site(s), {cfg.federation.rounds} round(s), "
           f"workload {cfg.workload.name}, strategy {cfg.federation.strategy})")
@@ -26,6 +27,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    """`sovfl simulate`: the whole federation on loopback, real processes."""
     result = launcher.simulate(args.config, args.workdir, insecure=args.insecure)
     if result.get("status") != "ok":
         print(f"sovfl simulate: FAILED: {result.get('error', 'no round reached its quorum')} "
@@ -47,6 +49,7 @@ def _bundle_dir(path: str | None, what: str) -> Path:
 
 
 def cmd_provision(args: argparse.Namespace) -> int:
+    """`sovfl provision`: a federation CA and one key bundle per party."""
     report = provision(args.out_dir, args.site, coordinator_name=args.coordinator, hosts=tuple(args.host),
                        rotate=args.rotate)
     for label in ("created", "kept", "rotated", "refreshed"):
@@ -169,7 +172,18 @@ def _supervise(site, procs: list) -> int:
     return 1
 
 
+def _command(sub, name: str, help: str, fn, workdir_help: str) -> argparse.ArgumentParser:
+    """A subcommand taking a configuration file, --workdir and --insecure."""
+    p = sub.add_parser(name, help=help)
+    p.add_argument("config")
+    p.add_argument("--workdir", help=workdir_help)
+    p.add_argument("--insecure", action="store_true", help="no TLS and no SuperNode authentication (debug only)")
+    p.set_defaults(fn=fn)
+    return p
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The `sovfl` argument parser (validate, simulate, provision, coordinator, site)."""
     p = argparse.ArgumentParser(prog="sovfl", description="Federated learning for sovereign clouds.")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -177,11 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("config")
     v.set_defaults(fn=cmd_validate)
 
-    s = sub.add_parser("simulate", help="run a whole federation on loopback with real processes")
-    s.add_argument("config")
-    s.add_argument("--workdir", help="where logs, checkpoints and metrics go (default: runs/NAME-TIME)")
-    s.add_argument("--insecure", action="store_true", help="no TLS and no SuperNode authentication (debug only)")
-    s.set_defaults(fn=cmd_simulate)
+    s = _command(sub, "simulate", "run a whole federation on loopback with real processes", cmd_simulate,
+                 "where logs, checkpoints and metrics go (default: runs/NAME-TIME)")
 
     pv = sub.add_parser("provision", help="create the federation CA and one key bundle per party")
     pv.add_argument("out_dir")
@@ -192,22 +203,18 @@ def build_parser() -> argparse.ArgumentParser:
     pv.add_argument("--rotate", action="append", default=[], help="re-issue this party's keys (repeatable)")
     pv.set_defaults(fn=cmd_provision)
 
-    c = sub.add_parser("coordinator", help="run the SuperLink and the federation on this machine")
-    c.add_argument("config")
+    c = _command(sub, "coordinator", "run the SuperLink and the federation on this machine", cmd_coordinator,
+                 "logs, checkpoints and metrics (default: runs/NAME-coordinator)")
     c.add_argument("--host", default="0.0.0.0", help="address the sites reach (default: all interfaces)")
     c.add_argument("--port", type=int, default=9092)
-    c.add_argument("--workdir")
     c.add_argument("--bundle", help="the coordinator's provisioned bundle (OUT_DIR/coordinator)")
-    c.add_argument("--insecure", action="store_true", help="no TLS and no SuperNode authentication (debug only)")
-    c.set_defaults(fn=cmd_coordinator)
 
-    t = sub.add_parser("site", help="run one site's trainer pool and SuperNode on this machine")
-    t.add_argument("config")
+    t = _command(sub, "site", "run one site's trainer pool and SuperNode on this machine", cmd_site,
+                 "logs, the site store and the trainer's local checkpoints; multi-node sites that checkpoint "
+                 "need the same path on storage every node shares")
     t.add_argument("--site", required=True, help="this site's id in the configuration")
     t.add_argument("--superlink", help="the coordinator's HOST:PORT (node 0 only)")
     t.add_argument("--socket", help="the trainer's Unix socket (default: under /tmp)")
-    t.add_argument("--workdir", help="logs and the trainer's local checkpoints; multi-node sites that checkpoint "
-                                     "need the same path on storage every node shares")
     t.add_argument("--bundle", help="this site's provisioned bundle (OUT_DIR/sites/NAME); node 0 only")
     t.add_argument("--node-rank", type=int, default=0,
                    help="multi-node sites: this node's index; 0 runs rank 0's endpoint and the SuperNode, "
@@ -215,12 +222,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--rdzv-timeout", type=float,
                    help="nodes >= 1: seconds to wait for node 0's rendezvous endpoint and for the nodes to "
                         "join (default: deadlines.trainer_start_s)")
-    t.add_argument("--insecure", action="store_true", help="no TLS and no SuperNode authentication (debug only)")
-    t.set_defaults(fn=cmd_site)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `sovfl` entry point; the exit code says how it went (2: bad configuration)."""
     args = build_parser().parse_args(argv)
     if getattr(args, "command", None) == "provision" and args.host is None:
         args.host = ["127.0.0.1", "localhost"]

@@ -24,8 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 from crypto.pki import provision
-from federation.config.attestation_config import resolve
-from federation.config.schema import ExperimentConfig, load_config
+from federation.config import ExperimentConfig, load_config, resolve
 from site_trainer import endpoint
 from site_trainer.config import SiteConfig, TrainerConfig
 from site_trainer.launch import torchrun_argv
@@ -40,6 +39,7 @@ class LaunchError(RuntimeError):
 
 
 def free_port() -> int:
+    """A TCP port free on loopback now (for the SuperLink and SuperNodes we start)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -52,6 +52,7 @@ def _bin(name: str) -> str:
 
 
 def tail(path: Path, lines: int = 15) -> str:
+    """The last lines of a log, for error messages that point at what went wrong."""
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except FileNotFoundError:
@@ -60,11 +61,14 @@ def tail(path: Path, lines: int = 15) -> str:
 
 @dataclass
 class Proc:
+    """A child process we started: its name, handle and log file."""
+
     name: str
     popen: subprocess.Popen
     log: Path
 
     def alive(self) -> bool:
+        """Whether it still runs."""
         return self.popen.poll() is None
 
 
@@ -77,6 +81,7 @@ class Supervisor:
     procs: list[Proc] = field(default_factory=list)
 
     def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        """The environment of every child: our bin first on PATH, telemetry off, this supervisor's marker."""
         env = dict(os.environ)
         # Flower's processes start helpers (flower-superexec, flwr-clientapp) by name: our
         # environment's bin directory must come first on PATH even when it is not activated.
@@ -87,6 +92,7 @@ class Supervisor:
         return env
 
     def start(self, name: str, argv: list[str], extra_env: dict[str, str] | None = None) -> Proc:
+        """Start a child in its own process group, output to logs/<name>.log."""
         logs = self.workdir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         log = logs / f"{name}.log"
@@ -99,6 +105,7 @@ class Supervisor:
         return proc
 
     def stop(self, proc: Proc, grace_s: float = 10.0) -> None:
+        """SIGTERM the process group, then SIGKILL after `grace_s`."""
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.popen.pid, signal.SIGTERM)
             os.killpg(proc.popen.pid, signal.SIGCONT)  # a stopped (hung) process must see the TERM
@@ -112,6 +119,7 @@ class Supervisor:
             proc.popen.wait(timeout=5)
 
     def close(self) -> None:
+        """Stop every child, then kill anything that still carries our marker (torchrun ranks)."""
         for proc in reversed(self.procs):
             self.stop(proc)
         self.procs.clear()
@@ -231,6 +239,7 @@ def site_attestation_config(cfg: ExperimentConfig, site: str, workdir: Path,
 
 def wait_trainers(procs: dict[str, Proc], sockets: dict[str, str], deadline_s: float,
                   progress: Callable[[str], None]) -> None:
+    """Block until every site trainer answers Info on its socket; fail fast if one exits."""
     end = time.monotonic() + deadline_s
     waiting = set(procs)
     while waiting:
@@ -252,6 +261,7 @@ def wait_trainers(procs: dict[str, Proc], sockets: dict[str, str], deadline_s: f
 
 
 def write_flwr_connection(sup: Supervisor, address: str, ca: Path | None) -> None:
+    """The `flwr` CLI's connection file (FLWR_HOME) for this run's SuperLink."""
     home = sup.workdir / "flwr-home"
     home.mkdir(parents=True, exist_ok=True)
     security = "insecure = true" if ca is None else f'root-certificates = "{ca}"'
@@ -308,12 +318,14 @@ def watch_run(sup: Supervisor, must_live: list[Proc], sites: dict[str, Proc], de
 
 
 def run_deadline(cfg: ExperimentConfig) -> float:
+    """How long the whole run may take: discovery plus every round at its deadlines, with slack."""
     d = cfg.federation.deadlines
     per_round = d.round_s + (d.evaluate_s if cfg.federation.evaluate else 0)
     return d.connect_s * 2 + cfg.federation.rounds * per_round + 120
 
 
 def result_line(result: dict) -> str:
+    """The `RESULT rounds=... first_loss=... last_loss=...` line scripts parse."""
     fmt = lambda v: "nan" if v is None else f"{v:.6f}"  # noqa: E731
     return f"RESULT rounds={result.get('aggregated_rounds', 0)} first_loss={fmt(result.get('first_loss'))} " \
            f"last_loss={fmt(result.get('last_loss'))}"

@@ -1,5 +1,7 @@
-"""Downlink compression: the coordinator sends a site the encoded step from the model that site
-holds to the new global model, instead of the dense model (`federation.downlink_codec`).
+"""Downlink compression, the format both sides share: the coordinator sends a site the encoded step
+from the model that site holds to the new global model, instead of the dense model
+(`federation.downlink_codec`). The coordinator's side is coordinator/downlink_sender.py, the site's
+is site/downlink_mod.py; this module holds what both must compute alike.
 
 Why a reference and not simply the delta: with a lossy codec a site cannot rebuild the global
 model, only `held + decode(step)`. The coordinator computes that same sum with the same function
@@ -28,22 +30,14 @@ they hold (the reference), which is also the model they train on next.
 from __future__ import annotations
 
 import hashlib
-import time
-from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping
 
 import numpy as np
-from flwr.app import ArrayRecord
 
-from federation.protocol.codecs import CodecError, Encoded, UpdateSpec, parse_codec
-from federation.protocol.codecs import RoundContext as CodecRound
+from federation.protocol.codecs import Arrays, CodecError, Encoded, UpdateSpec, parse_codec
 from federation.protocol.pipeline import Payload
-from federation.protocol.payload_records import to_records
 
-Arrays = dict[str, np.ndarray]
-RECORD = "downlink"  # the ConfigRecord next to the "global" ArrayRecord
-DIGEST_KEY = "model_digest"  # what a site reports, in every reply's status
 MAX_STEPS = 64  # a site never applies more steps than this in one message
 
 
@@ -71,127 +65,41 @@ def apply_step(held: Mapping[str, np.ndarray], step: Mapping[str, np.ndarray],
     return dest
 
 
-def step_seed(federation_seed: int, version: int) -> int:
-    """Seed of the coordinator's `version`-th step (random-k coordinates, stochastic rounding)."""
-    return int(np.random.default_rng([federation_seed, version, 0xD0A1]).integers(0, 2**63 - 1))
-
-
 @dataclass(frozen=True)
 class Step:
+    """One encoded step of the coordinator's reference model."""
+
     base: str  # digest of the reference the step applies to
     encoded: Encoded
 
 
-class DownlinkSender:
-    """The coordinator's side: the reference, the recent steps, what each site reported holding,
-    and the bytes each site was sent (from the records that go on the wire)."""
-
-    def __init__(self, spec: str = "identity", seed: int = 0):
-        codec = parse_codec(spec)
-        self.codec = None if codec.spec == "identity" else codec
-        self.spec = codec.spec
-        self.seed = seed
-        self.reference: Arrays | None = None
-        self.digest: str | None = None
-        self.steps: list[Step] = []
-        self.version = 0
-        self.held: dict[int, str] = {}  # node -> digest it reported in its last good reply
-        self._source: Arrays | None = None  # the model object the reference follows
-        self._bytes: Counter[str] = Counter()
-        self._dense: Counter[str] = Counter()
-        self._modes: Counter[str] = Counter()
-        self._encode_s = 0.0
-
-    # ---- the reference -------------------------------------------------------------------------
-    def update(self, model: Arrays) -> None:
-        """Make the reference follow `model`: one encoded step per new model object."""
-        if model is self._source:
-            return
-        self._source = model
-        if self.codec is None:
-            return
-        t0 = time.perf_counter()
-        if self.reference is None or UpdateSpec.of(model) != UpdateSpec.of(self.reference):
-            self.reference = {k: np.array(v, dtype=np.float32) for k, v in model.items()}
-            self.digest, self.steps = model_digest(self.reference), []
-        else:
-            self.version += 1
-            layout = UpdateSpec.of(self.reference)
-            seed = step_seed(self.seed, self.version)
-            ctx = CodecRound(self.version, seed, site_seed=seed)
-            enc, _ = self.codec.encode({k: model[k] - v for k, v in self.reference.items()}, None, ctx)
-            self.steps.append(Step(self.digest, enc))
-            self.reference = apply_step(self.reference, self.codec.decode(enc, layout))
-            self.digest = model_digest(self.reference)
-            while self.steps and (sum(s.encoded.nbytes for s in self.steps) >= 4 * layout.numel
-                                  or len(self.steps) > MAX_STEPS):
-                self.steps.pop(0)  # a site that far behind is better served by the full model
-        self._encode_s += time.perf_counter() - t0
-
-    def payload(self, node: int) -> tuple[tuple, Payload]:
-        """(cache key, payload) for `node`. What the node holds is forgotten until it reports again:
-        if its reply fails, it may hold anything, and it gets the full model next time."""
-        if self.codec is None:
-            return ("dense",), Payload(self._source or {}, {})
-        held = self.held.pop(node, None)
-        if held == self.digest:
-            return ("hold",), Payload({}, {"mode": "hold", "target": self.digest})
-        start = next((i for i, s in enumerate(self.steps) if s.base == held), None)
-        if start is None:
-            return ("full",), Payload(self.reference, {"mode": "full", "target": self.digest})
-        arrays: Arrays = {}
-        meta: dict = {"mode": "steps", "target": self.digest, "steps": len(self.steps) - start}
-        for j, step in enumerate(self.steps[start:]):
-            arrays.update({f"{j}/{k}": v for k, v in step.encoded.arrays.items()})
-            meta.update({f"{j}.{k}": v for k, v in step.encoded.meta.items()})
-            meta[f"{j}.base"] = step.base
-        return ("steps", start), Payload(arrays, meta)
-
-    # ---- messages ------------------------------------------------------------------------------
-    def stage(self, model: Arrays, name_of: Callable[[int], str]) -> Callable[[int], dict]:
-        """The model records of one stage's messages, node by node. Each distinct content is
-        serialized once per stage and shared by every message that carries it."""
-        self.update(model)
-        cache: dict[tuple, dict] = {}
-        dense = sum(4 * int(v.size) for v in model.values())
-
-        def records(node: int) -> dict:
-            key, payload = self.payload(node)
-            if key not in cache:
-                rd = to_records(payload, "global", RECORD)
-                cache[key] = {"global": rd.array_records["global"]}
-                if self.codec is not None:
-                    cache[key][RECORD] = rd.config_records[RECORD]
-            name = name_of(node)
-            self._bytes[name] += record_nbytes(cache[key]["global"])
-            self._dense[name] += dense
-            self._modes[key[0]] += 1
-            return cache[key]
-
-        return records
-
-    def heard(self, node: int, status: Mapping) -> None:
-        """A good reply: remember the model digest the site says it holds (if it says one)."""
-        digest = status.get(DIGEST_KEY)
-        if isinstance(digest, str) and digest:
-            self.held[node] = digest
-
-    def round_metrics(self) -> dict:
-        """This round's downlink line (and reset): bytes per site from the records sent, the dense
-        float32 bytes the same messages would have carried, their ratio, and the modes used."""
-        sent, dense = sum(self._bytes.values()), sum(self._dense.values())
-        out = {"codec": self.spec, "bytes": dict(self._bytes), "dense_bytes": dense,
-               "ratio": dense / sent if sent else None, "modes": dict(self._modes),
-               "encode_s": round(self._encode_s, 6)}
-        self._bytes, self._dense, self._modes, self._encode_s = Counter(), Counter(), Counter(), 0.0
-        return out
+# ---- messages: what the coordinator writes (`*_payload`) and the site reads (`reconstruct`) -------
+def dense_payload(model: Arrays) -> Payload:
+    """The global model with the downlink off: no DOWNLINK record, sites keep nothing."""
+    return Payload(model, {})
 
 
-def record_nbytes(rec: ArrayRecord) -> int:
-    return sum(len(a.data) for a in rec.values())
+def hold_payload(target: str) -> Payload:
+    """Nothing to send: the site already holds the reference `target`."""
+    return Payload({}, {"mode": "hold", "target": target})
 
 
-# ---- the site's side (pure: the relay adds the reference file) -----------------------------------
+def full_payload(reference: Arrays, target: str) -> Payload:
+    """The whole reference, dense float32, for a site that holds nothing usable."""
+    return Payload(reference, {"mode": "full", "target": target})
+
+
+def steps_payload(steps: list[Step], target: str) -> Payload:
+    """Steps j = 0..n-1 as `{j}/<array>` arrays and `{j}.<key>` metadata, `{j}.base` each step's base."""
+    arrays: Arrays = {}
+    meta: dict = {"mode": "steps", "target": target, "steps": len(steps)}
+    for j, step in enumerate(steps):
+        arrays.update({f"{j}/{k}": v for k, v in step.encoded.arrays.items()})
+        meta.update({f"{j}.{k}": v for k, v in step.encoded.meta.items()})
+        meta[f"{j}.base"] = step.base
+    return Payload(arrays, meta)
+
+
 def _meta_str(meta: Mapping, key: str) -> str:
     value = meta.get(key)
     if not isinstance(value, str) or not value:

@@ -7,11 +7,10 @@ import time
 
 import numpy as np
 
-from federation.protocol.codecs import Codec, CodecError, Encoded, UpdateSpec, parse_codec
-from federation.protocol.codecs import RoundContext as CodecRound
+from federation.protocol.codecs import Arrays, Codec, CodecError, Encoded, UpdateSpec, parse_codec
 from federation.protocol.pipeline import Payload, RoundContext, UpdateRejected
 
-_META_PREFIX = "codec."
+META_PREFIX = "codec."  # the codec's metadata inside a Payload's meta (the SecAgg mod reads it too)
 
 
 def round_seed(federation_seed: int, rnd: int) -> int:
@@ -19,43 +18,54 @@ def round_seed(federation_seed: int, rnd: int) -> int:
     return int(np.random.default_rng([federation_seed, rnd, 0x5EED]).integers(0, 2**63 - 1))
 
 
+def codec_meta(payload: Payload) -> dict:
+    """The codec's own metadata of an encoded payload (prefix removed)."""
+    return {k[len(META_PREFIX):]: v for k, v in payload.meta.items() if k.startswith(META_PREFIX)}
+
+
 class CodecStage:
+    """`Stage` around a `Codec`: the site keeps the error-feedback residual it returns (`new_state`),
+    the coordinator decodes against the model's layout."""
+
     name = "codec"
 
     def __init__(self, codec: Codec, layout: UpdateSpec | None = None,
-                 state: dict[str, np.ndarray] | None = None, site_seed: int | None = None):
+                 state: Arrays | None = None, site_seed: int | None = None):
         self.codec = codec
         self.layout = layout
         self.site_seed = site_seed  # reproducible stochastic rounding (simulations); None: OS entropy
         self.state = dict(state or {})
-        self.new_state: dict[str, np.ndarray] | None = None
+        self.new_state: Arrays | None = None
         self.encode_s = 0.0
         self.decode_s = 0.0
 
     @classmethod
     def from_spec(cls, spec: str, error_feedback: bool, **kw) -> "CodecStage":
+        """The stage for a codec spec string (as in the round config)."""
         return cls(parse_codec(spec, error_feedback=error_feedback), **kw)
 
     def encode(self, payload: Payload, ctx: RoundContext) -> Payload:
+        """Site: the encoded update; the residual to keep is left in `new_state` (None without EF)."""
         t0 = time.perf_counter()
         update = {k: np.asarray(v, dtype=np.float32) for k, v in payload.arrays.items()}
-        enc, new_state = self.codec.encode(update, self.state, CodecRound(ctx.round, ctx.seed, self.site_seed))
+        enc, new_state = self.codec.encode(update, self.state, ctx.codec_round(self.site_seed))
         self.new_state = new_state if self.codec.error_feedback else None
         self.encode_s = time.perf_counter() - t0
-        meta = {**payload.meta, **{_META_PREFIX + k: v for k, v in enc.meta.items()}}
+        meta = {**payload.meta, **{META_PREFIX + k: v for k, v in enc.meta.items()}}
         return Payload(dict(enc.arrays), meta)
 
     def decode(self, payload: Payload, ctx: RoundContext) -> Payload:
+        """Coordinator: the dense update, or UpdateRejected naming what was wrong."""
         if self.layout is None:
             raise ValueError("CodecStage.decode needs the model's layout (UpdateSpec)")
         t0 = time.perf_counter()
-        meta = {k[len(_META_PREFIX):]: v for k, v in payload.meta.items() if k.startswith(_META_PREFIX)}
-        rest = {k: v for k, v in payload.meta.items() if not k.startswith(_META_PREFIX)}
+        meta = codec_meta(payload)
+        rest = {k: v for k, v in payload.meta.items() if not k.startswith(META_PREFIX)}
         if meta.get("codec") != self.codec.spec:
             raise UpdateRejected("codec_mismatch", f"update encoded with {meta.get('codec')!r}, "
                                  f"this federation uses {self.codec.spec!r}")
         try:
-            update = self.codec.decode(Encoded(dict(payload.arrays), meta), self.layout, CodecRound(ctx.round, ctx.seed))
+            update = self.codec.decode(Encoded(dict(payload.arrays), meta), self.layout, ctx.codec_round())
         except CodecError as err:
             raise UpdateRejected(f"codec_{type(err).__name__}", str(err)) from None
         self.decode_s += time.perf_counter() - t0

@@ -1,10 +1,12 @@
-"""Secure aggregation (SecAgg+), the site's side: handlers the ClientApp calls for the four stages.
+"""Secure aggregation (SecAgg+), the site's side, as a mod.
 
-`on_query` answers stages 1 (advertise keys), 2 (share keys) and 4 (unmask); `on_train` does
-stage 3 after the codec encoded the trained update: it flattens the codec's values in a fixed
-order (identity: the update's tensors in sorted-name order; other codecs: their value vector),
-masks them in the ring chunk by chunk, and returns one uint32 Array per chunk. The message
-formats are described in `federation.secagg_round`.
+Query messages carrying a SECAGG record are stages 1 (advertise keys), 2 (share keys) and 4
+(unmask): `on_query` answers them and the trainer is never called. A train message carrying one is
+stage 3: the mod lets the inner mods and the trainer run, then `on_train` masks what the codec mod
+left in the reply: it flattens the codec's values in a fixed order (identity: the update's tensors
+in sorted-name order; other codecs: their value vector), masks them in the ring chunk by chunk,
+and the reply carries one uint32 Array per chunk instead of the update. The protection mod does
+not envelope a masked update (the sum is what opens). Message formats: protocol/secagg_records.py.
 
 Flower starts a fresh ClientApp process for every message, so the round's SecAgg client (private
 keys, self-mask seed, the neighbours' shares) is kept between stages in `context.state`, which the
@@ -37,12 +39,10 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
-from io import BytesIO
 from pathlib import Path
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 
 from crypto.pki import SiteBundle
 from crypto.secagg import (
@@ -54,69 +54,68 @@ from crypto.secagg import (
     SecAggConfig,
     SecAggError,
 )
-from crypto.secagg import RoundContext as SecAggContext
 from crypto.secagg.signing import check_relayed_adverts, sign
+from federation.protocol import message_keys as keys
 from federation.protocol.codecs import CodecError, UpdateSpec, parse_codec
+from federation.protocol.message_keys import ADVERTISE, MASKED_INPUT, SHARE_KEYS, UNMASK
+from federation.protocol.payload_records import to_array
 from federation.protocol.pipeline import Payload
+from federation.protocol.secagg_records import Request, chunk_key, reply_record
+from federation.protocol.update_codec import codec_meta
+from federation.site.replies import fail, ok, status, update_of
+from federation.site.site_env import SiteEnv, load_bundle, site_env
 
-ADVERTISE, SHARE_KEYS, MASKED_INPUT, UNMASK = 1, 2, 3, 4
-RECORD = "secagg"  # request / reply ConfigRecord, and the state record in context.state
-CHUNKS = "secagg_chunks"  # stage-3 reply ArrayRecord: one uint32 Array per masked chunk
-OFFSET_DIGITS = 12
-CODEC_META = "codec."  # prefix of the codec stage's metadata in a Payload (federation.codec_stage)
+__all__ = ["Request", "SecAggSiteError", "chunk_array", "on_query", "on_train", "secagg_mod", "values_vector"]
+
+STATE = keys.SECAGG  # this mod's record in context.state
 _FAULT_STAGES = {"advertise": ADVERTISE, "share": SHARE_KEYS, "masked": MASKED_INPUT}
 log = logging.getLogger("sovfl.secagg_site")
+_warned: set[str] = set()  # sites already warned about in this process (one ClientApp process per message)
 
 
 class SecAggSiteError(RuntimeError):
-    """Stage 3 could not run; raised so that the ClientApp answers with an error (the relay sets the
-    reply's status itself, so a failed status could not get through)."""
+    """Stage 3 could not run; raised so that the ClientApp answers with an error (Flower's error
+    reply: the coordinator counts the site as dropped in stage 3)."""
 
 
-@dataclass(frozen=True)
-class Request:
-    stage: int
-    ctx: SecAggContext
-    config_json: str
-    request: bytes
-    record: ConfigRecord
-
-    @classmethod
-    def parse(cls, msg: Message) -> "Request":
-        rec = msg.content.config_records.get(RECORD)
-        if rec is None:
-            raise MalformedMessageError(f"no '{RECORD}' record in the message")
-        try:
-            stage, rnd, run = int(rec["stage"]), int(rec["round"]), str(rec["run"])
-            seed, config, request = rec["graph_seed"], str(rec["config"]), rec.get("request", b"")
-            if not isinstance(seed, bytes) or not isinstance(request, bytes):
-                raise TypeError("graph_seed and request must be bytes")
-            ctx = SecAggContext(run, rnd, seed)
-        except (KeyError, TypeError, ValueError) as err:
-            raise MalformedMessageError(f"secagg request is malformed ({type(err).__name__}: {err})") from None
-        if stage not in (ADVERTISE, SHARE_KEYS, MASKED_INPUT, UNMASK):
-            raise MalformedMessageError(f"unknown secagg stage {stage}")
-        if not run.endswith(f"/{int(msg.metadata.run_id)}"):
-            raise ReplayedMessageError(f"secagg request for run {run!r}, this is Flower run {msg.metadata.run_id}")
-        return cls(stage, ctx, config, request, rec)
+def secagg_mod(msg: Message, context: Context, call_next) -> Message:
+    """Answer SecAgg stages 1, 2 and 4; mask the update of a stage-3 train message."""
+    if keys.SECAGG not in msg.content.config_records:
+        return call_next(msg, context)
+    kind = msg.metadata.message_type
+    if kind == MessageType.QUERY:
+        return on_query(msg, context, site_env(context).site)
+    if kind != MessageType.TRAIN:
+        return call_next(msg, context)
+    reply = call_next(msg, context)
+    if not ok(reply):
+        return reply
+    env = site_env(context)
+    masked = on_train(msg, context, env.site, update_of(reply), int(reply.content.config_records[keys.STATUS]["num_examples"]))
+    del reply.content[keys.UPDATE], reply.content[keys.UPDATE_META]
+    reply.content[keys.SECAGG_CHUNKS] = masked[keys.SECAGG_CHUNKS]
+    reply.content[keys.SECAGG] = masked[keys.SECAGG]
+    reply.content.metric_records[keys.METRICS]["upload_bytes"] = float(
+        sum(int(np.prod(a.shape)) * 4 for a in masked[keys.SECAGG_CHUNKS].values()))
+    return reply
 
 
 # ---- state in context.state -------------------------------------------------------------------
 
 def _state(context: Context) -> ConfigRecord:
-    rec = context.state.config_records.get(RECORD)
+    rec = context.state.config_records.get(STATE)
     return rec if rec is not None else ConfigRecord({"last_round": -1})
 
 
 def _save(context: Context, client: SecAggClient, config_json: str, last_round: int) -> None:
-    context.state[RECORD] = ConfigRecord({
+    context.state[STATE] = ConfigRecord({
         "client": client.to_state(), "run": client.ctx.run_id, "round": client.ctx.round,
         "seed": client.ctx.graph_seed, "config": config_json, "last_round": last_round,
     })
 
 
 def _wipe(context: Context, last_round: int) -> None:
-    context.state[RECORD] = ConfigRecord({"last_round": last_round})
+    context.state[STATE] = ConfigRecord({"last_round": last_round})
 
 
 def _load(context: Context, req: Request) -> SecAggClient:
@@ -132,23 +131,22 @@ def _load(context: Context, req: Request) -> SecAggClient:
     return SecAggClient.from_state(SecAggConfig.model_validate_json(str(st["config"])), bytes(st["client"]))
 
 
-def _reply_record(req: Request, bundle: SiteBundle | None, content: bytes, **extra) -> ConfigRecord:
-    """The reply's "secagg" record, signed over `content` when the site has its bundle."""
-    rec = ConfigRecord({"stage": req.stage, "round": req.ctx.round, "ctx": req.ctx.digest(), **extra})
-    if bundle is not None:
-        sig = sign(bundle.sign_key, bundle.federation_id, bundle.name, req.ctx, req.stage, content)
-        rec["sig_header"], rec["sig"] = sig.header, sig.signature
-    return rec
+def _signed_reply(req: Request, bundle: SiteBundle | None, content: bytes, **extra) -> ConfigRecord:
+    """The reply's SECAGG record, signed over `content` when the site has its bundle."""
+    sig = None if bundle is None else sign(bundle.sign_key, bundle.federation_id, bundle.name, req.ctx, req.stage,
+                                           content)
+    return reply_record(req, sig, **extra)
 
 
 def site_bundle(context: Context, site: str) -> SiteBundle | None:
-    """The site's provisioned keys and peer registry (node config `bundle-dir`), or None."""
-    path = str(context.node_config.get("bundle-dir", "") or "")
-    if path:
-        return SiteBundle.load(path)
-    log.warning("site %s: no bundle-dir: SecAgg messages leave UNSIGNED and neighbours' keys are NOT checked "
-                "(insecure development mode; provision bundles with `sovfl provision`)", site)
-    return None
+    """The site's provisioned keys and peer registry (the message's SiteEnv's, if any), or None."""
+    env = SiteEnv.current(context)
+    bundle = env.bundle if env is not None else load_bundle(context)
+    if bundle is None and site not in _warned:
+        _warned.add(site)
+        log.warning("site %s: no bundle-dir: SecAgg messages leave UNSIGNED and neighbours' keys are NOT checked "
+                    "(insecure development mode; provision bundles with `sovfl provision`)", site)
+    return bundle
 
 
 def _check_neighbours(req: Request, bundle: SiteBundle | None, client: SecAggClient) -> None:
@@ -179,9 +177,7 @@ def _dump_rng(context: Context, rnd: int, x: np.ndarray, weight: int, client: Se
     """Test only (node config `secagg-dump-dir`): the seeded rounding generator, after writing the
     encoded ring vector it will produce (the same noise key drives both)."""
     where = str(context.node_config.get("secagg-dump-dir", "") or "")
-    if not where:
-        return None
-    if client.params is None:
+    if not where or client.params is None:
         return None
     seed = int.from_bytes(os.urandom(8), "big")
     ring = client.params.codec.encode(x, weight, np.random.default_rng(seed))
@@ -192,21 +188,12 @@ def _dump_rng(context: Context, rnd: int, x: np.ndarray, weight: int, client: Se
 
 # ---- the stages ---------------------------------------------------------------------------------
 
-def _ok(msg: Message, site: str, rec: ConfigRecord) -> Message:
-    return Message(RecordDict({"status": ConfigRecord({"site": site, "ok": True, "error": ""}), RECORD: rec}),
-                   reply_to=msg)
-
-
-def _fail(msg: Message, site: str, error: str) -> Message:
-    return Message(RecordDict({"status": ConfigRecord({"site": site, "ok": False, "error": error})}), reply_to=msg)
-
-
 def on_query(msg: Message, context: Context, site: str) -> Message:
-    """Stages 1, 2 and 4 (query messages carrying a "secagg" ConfigRecord)."""
+    """Stages 1, 2 and 4 (query messages carrying a SECAGG record); failures are replies that say why."""
     try:
         req = Request.parse(msg)
     except SecAggError as err:
-        return _fail(msg, site, f"secagg: {type(err).__name__}: {err}")
+        return fail(msg, site, f"secagg: {type(err).__name__}: {err}")
     _fault(context, req.ctx.round, req.stage)
     try:
         bundle = site_bundle(context, site)
@@ -232,39 +219,35 @@ def on_query(msg: Message, context: Context, site: str) -> Message:
             _wipe(context, int(st["last_round"]))  # one unmask answer per round, then forget the secrets
         else:
             raise ProtocolViolationError("stage 3 (masked input) travels in a train message, not a query")
-        rec = _reply_record(req, bundle, data, data=data)
+        rec = _signed_reply(req, bundle, data, data=data)
     except (SecAggError, ValueError, OSError) as err:  # pydantic's ValidationError is a ValueError
-        return _fail(msg, site, f"secagg stage {req.stage}: {type(err).__name__}: {err}")
-    return _ok(msg, site, rec)
+        return fail(msg, site, f"secagg stage {req.stage}: {type(err).__name__}: {err}")
+    return Message(RecordDict({keys.STATUS: status(site, True), keys.SECAGG: rec}), reply_to=msg)
 
 
 def chunk_array(words: np.ndarray) -> Array:
-    """A masked chunk as a Flower Array (.npy bytes, what `Array(ndarray)` makes) in one copy."""
-    header = np.lib.format.header_data_from_array_1_0(words)
-    buf = BytesIO()
-    np.lib.format.write_array_header_1_0(buf, header)
-    return Array(dtype=str(words.dtype), shape=tuple(words.shape), stype="numpy.ndarray",
-                 data=b"".join((buf.getvalue(), memoryview(np.ascontiguousarray(words)).cast("B"))))
+    """A masked chunk as a Flower Array (.npy bytes, what `Array(ndarray)` makes) in one copy: the
+    masking loop reuses its buffer, so each chunk is copied out as it is made."""
+    return to_array(words)
 
 
 def values_vector(payload: Payload) -> np.ndarray:
     """The codec payload's values as one float vector, in the order the coordinator decodes them:
     identity payloads are the update's tensors (sorted names, as `UpdateSpec`); a codec's payload
     is its value vector (all coordinates, or the k shared random-k ones), decoded to floats."""
-    spec = payload.meta.get(CODEC_META + "codec")
-    if spec is None:
+    meta = codec_meta(payload)
+    if "codec" not in meta:
         return UpdateSpec.of(payload.arrays).flatten(payload.arrays)
-    codec = parse_codec(str(spec))
+    codec = parse_codec(str(meta["codec"]))
     if not codec.linear_under_masks:
         raise CodecError(f"codec {codec.spec!r} cannot be used with secure aggregation")
-    meta = {k[len(CODEC_META):]: v for k, v in payload.meta.items() if k.startswith(CODEC_META)}
     m = int(meta["k"]) if codec.sparsifier is not None else int(meta["numel"])
     values = {k: v for k, v in payload.arrays.items() if k in codec.values.array_names}
     return np.asarray(codec.values.decode(values, m, 1), dtype=np.float32)
 
 
 def on_train(msg: Message, context: Context, site: str, payload: Payload, num_examples: int) -> RecordDict:
-    """Stage 3: mask the encoded update; the reply's content (the relay adds status and metrics)."""
+    """Stage 3: mask the encoded update; the reply's SECAGG_CHUNKS and SECAGG records."""
     try:
         req = Request.parse(msg)
         if req.stage != MASKED_INPUT:
@@ -290,11 +273,11 @@ def on_train(msg: Message, context: Context, site: str, payload: Payload, num_ex
         chunks, manifest = {}, ChunkManifest()
         try:
             for offset, words in client.masked_input(req.request, x, weight, rng=rng):
-                chunks[f"{offset:0{OFFSET_DIGITS}d}"] = chunk_array(words)  # copies: words is reused
+                chunks[chunk_key(offset)] = chunk_array(words)  # copies: words is reused
                 manifest.add(offset, words)
         finally:
             _save(context, client, req.config_json, int(st["last_round"]))
-        rec = _reply_record(req, bundle, manifest.encode(), chunks=len(chunks), vector_len=vector_len, weight=weight)
+        rec = _signed_reply(req, bundle, manifest.encode(), chunks=len(chunks), vector_len=vector_len, weight=weight)
     except (SecAggError, CodecError, ValueError, OSError) as err:
         raise SecAggSiteError(f"site {site}: secagg stage 3: {type(err).__name__}: {err}") from None
-    return RecordDict({CHUNKS: ArrayRecord(chunks), RECORD: rec})
+    return RecordDict({keys.SECAGG_CHUNKS: ArrayRecord(chunks), keys.SECAGG: rec})

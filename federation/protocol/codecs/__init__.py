@@ -3,19 +3,21 @@
 Site::
 
     codec = parse_codec("topk:0.01+int8", error_feedback=True)
-    encoded, state = codec.encode(update, state, RoundContext(server_round, seed))
+    encoded, state = codec.encode(update, state, CodecRound(server_round, seed))
     # encoded.arrays -> Flower ArrayRecord, encoded.meta -> ConfigRecord; persist `state`
 
 Coordinator::
 
     spec = UpdateSpec.of(global_model)            # names + shapes, sorted
-    update = codec.decode(encoded, spec, round_ctx)            # any codec
-    total = codec.decode(codec.aggregate(encodeds, spec), spec)  # linear codecs: sum first
+    update = codec.decode(encoded, spec, round_ctx)
+
+Which codecs compose with secure aggregation: `validate_for_protection` (compat.py).
 """
 
-from .base import CodecState, Encoded, RoundContext, Update, UpdateSpec
+from .base import Arrays, CodecRound, Encoded, UpdateSpec
 from .bitpack import pack_bits, unpack_bits
 from .chain import Codec
+from .compat import SECAGG_CODECS, Protection, validate_for_protection
 from .errors import (
     CodecConfigError,
     CodecError,
@@ -26,7 +28,6 @@ from .errors import (
     MalformedPayloadError,
     MetadataError,
     NonFiniteValueError,
-    NotLinearError,
     PayloadDTypeError,
     PayloadFieldError,
     PayloadLengthError,
@@ -36,17 +37,16 @@ from .errors import (
     TruncatedPayloadError,
     UpdateError,
 )
-from .compat import SECAGG_CODECS, Protection, validate_for_protection
-from .ring import from_ring, sum_bits, to_ring
 from .sparsify import shared_indices
 from .spec import CodecConfig, parse_codec, parse_codec_config
 
 __all__ = [
+    "Arrays",
     "Codec",
     "CodecConfig",
     "CodecConfigError",
     "CodecError",
-    "CodecState",
+    "CodecRound",
     "CodecStateError",
     "DuplicateIndexError",
     "Encoded",
@@ -55,27 +55,21 @@ __all__ = [
     "MalformedPayloadError",
     "MetadataError",
     "NonFiniteValueError",
-    "NotLinearError",
     "PayloadDTypeError",
     "PayloadFieldError",
     "PayloadLengthError",
     "Protection",
     "ProtectionConfigError",
     "QuantizedRangeError",
-    "RoundContext",
     "SECAGG_CODECS",
     "ScaleError",
     "TruncatedPayloadError",
-    "Update",
     "UpdateError",
     "UpdateSpec",
-    "from_ring",
     "pack_bits",
     "parse_codec",
     "parse_codec_config",
     "shared_indices",
-    "sum_bits",
-    "to_ring",
     "unpack_bits",
     "validate_for_protection",
 ]

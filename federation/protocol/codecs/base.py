@@ -1,6 +1,7 @@
 """Types shared by every codec: round context, update layout, the encoded payload.
 
-An update is ``dict[str, np.ndarray]`` of float32 tensors. Codecs work on one flat float32
+An update is ``Arrays`` (``dict[str, np.ndarray]``, the one alias for named arrays across
+federation/) of float32 tensors. Codecs work on one flat float32
 vector in sorted-name order (``UpdateSpec``), so sites and the coordinator agree on
 coordinates without exchanging anything but the layout digest.
 """
@@ -25,16 +26,17 @@ from .errors import (
     UpdateError,
 )
 
-Update = dict[str, np.ndarray]
-CodecState = dict[str, np.ndarray]
+#: named numpy arrays: an update, a model, a codec payload or its error-feedback state
+Arrays = dict[str, np.ndarray]
 MetaValue = Union[int, float, str]
 
 _MAX_SEED = 2**63 - 1  # fits Flower ConfigRecord's signed 64-bit ints
 
 
 @dataclass(frozen=True)
-class RoundContext:
-    """What a codec needs to know about the round.
+class CodecRound:
+    """What a codec needs to know about the round (a federation's `RoundContext` makes one with
+    `codec_round()`; the codec library stays usable on its own).
 
     ``seed`` is sent by the coordinator each round; shared-seed codecs derive their coordinates
     from it, so every site picks the same ones. ``site_seed`` only makes the site-private
@@ -53,7 +55,7 @@ class RoundContext:
                 continue
             if not _is_int(value) or not 0 <= value <= _MAX_SEED:
                 raise CodecConfigError(
-                    f"RoundContext.{name} must be an int in [0, 2**63-1], got {value!r}"
+                    f"CodecRound.{name} must be an int in [0, 2**63-1], got {value!r}"
                 )
 
 
@@ -66,6 +68,7 @@ class UpdateSpec:
 
     @classmethod
     def of(cls, update: Mapping[str, np.ndarray]) -> "UpdateSpec":
+        """The layout of `update` (names sorted); rejects anything but a dict of numpy arrays."""
         if not isinstance(update, Mapping):
             raise UpdateError(f"an update must be a dict of name -> numpy array, got {type(update).__name__}")
         names = tuple(sorted(update))
@@ -79,10 +82,12 @@ class UpdateSpec:
 
     @cached_property
     def sizes(self) -> tuple[int, ...]:
+        """Elements per tensor, in spec order."""
         return tuple(int(np.prod(s, dtype=np.int64)) for s in self.shapes)
 
     @cached_property
     def numel(self) -> int:
+        """Elements in the whole update."""
         return int(sum(self.sizes))
 
     @cached_property
@@ -114,11 +119,11 @@ class UpdateSpec:
             )
         return out
 
-    def unflatten(self, flat: np.ndarray) -> Update:
+    def unflatten(self, flat: np.ndarray) -> Arrays:
         """Split a flat vector back into named tensors (copies, so callers may mutate them)."""
         if flat.shape != (self.numel,):
             raise UpdateError(f"flat vector has shape {flat.shape}, expected ({self.numel},)")
-        out: Update = {}
+        out: Arrays = {}
         offset = 0
         for name, shape, size in zip(self.names, self.shapes, self.sizes):
             out[name] = flat[offset : offset + size].reshape(shape).copy()
@@ -131,7 +136,7 @@ class Encoded:
     """An encoded update: named 1-D numpy arrays (the wire payload, one Flower ``Array`` each,
     in an ``ArrayRecord``) and small scalar metadata (a Flower ``ConfigRecord``). No pickle."""
 
-    arrays: dict[str, np.ndarray]
+    arrays: Arrays
     meta: dict[str, MetaValue]
 
     @property
@@ -171,6 +176,7 @@ def meta_int(meta: Mapping[str, MetaValue], key: str, lo: int = 0, hi: int | Non
 
 
 def meta_str(meta: Mapping[str, MetaValue], key: str) -> str:
+    """Read a string metadata field, rejecting absent or mistyped values."""
     if key not in meta:
         raise MetadataError(f"metadata field {key!r} is missing")
     value = meta[key]

@@ -21,6 +21,7 @@ MAX_RICE_R = 32
 
 
 def packed_nbytes(count: int, width: int) -> int:
+    """Bytes that `count` fields of `width` bits take once packed."""
     return (count * width + 7) // 8
 
 

@@ -2,28 +2,27 @@
 
 Every codec is such a chain: ``identity`` is (none, float32), ``topk:0.01`` is (top-k, float32),
 ``randk:0.1+int8:clip=0.05`` is (random-k, common-scale int8). The site calls ``encode``; the
-coordinator calls ``decode`` (or ``aggregate`` then ``decode`` for linear codecs). The same
-object works in the other direction for the downlink (global delta coordinator -> sites).
+coordinator calls ``decode``. Under secure aggregation the site masks the codec's values (the
+federation's SecAgg mod) and the coordinator decodes the unmasked sum, so a codec never sums
+payloads itself. The same object works in the other direction for the downlink (global model
+steps, coordinator -> sites).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
 
-from .base import CodecState, Encoded, MetaValue, RoundContext, Update, UpdateSpec, meta_int, meta_str
-from .bitpack import packed_nbytes
+from .base import Arrays, CodecRound, Encoded, MetaValue, UpdateSpec, meta_int, meta_str
+from .coders import Sparsifier, ValueCoder
 from .errors import (
     CodecError,
     CodecStateError,
     MalformedPayloadError,
     MetadataError,
-    NotLinearError,
     PayloadFieldError,
 )
-from .ring import from_ring, sum_bits, to_ring
-from .coders import Sparsifier, ValueCoder
 
 if TYPE_CHECKING:
     from .spec import CodecConfig
@@ -50,6 +49,7 @@ class Codec:
 
     @property
     def error_feedback(self) -> bool:
+        """Whether `encode` returns the residual to carry into the next round."""
         return self.config.error_feedback
 
     @property
@@ -60,8 +60,8 @@ class Codec:
     # -- site ------------------------------------------------------------------------------------
 
     def encode(
-        self, update: Mapping[str, np.ndarray], state: Mapping[str, np.ndarray] | None, round_ctx: RoundContext
-    ) -> tuple[Encoded, CodecState]:
+        self, update: Mapping[str, np.ndarray], state: Mapping[str, np.ndarray] | None, round_ctx: CodecRound
+    ) -> tuple[Encoded, Arrays]:
         """Encode ``update`` (plus the error-feedback residual in ``state``).
 
         Returns the payload and the new state: with error feedback, ``{name: residual}`` holding
@@ -116,10 +116,10 @@ class Codec:
 
     # -- coordinator -----------------------------------------------------------------------------
 
-    def decode(self, encoded: Encoded, spec: UpdateSpec, round_ctx: RoundContext | None = None) -> Update:
+    def decode(self, encoded: Encoded, spec: UpdateSpec, round_ctx: CodecRound | None = None) -> Arrays:
         """Validate ``encoded`` against this codec and ``spec`` and return the dense update.
 
-        If the payload is a sum (from ``aggregate`` or a SecAgg unmasking), returns the sum.
+        A payload whose metadata says ``summed`` > 1 (a sum of that many linear payloads) decodes to the sum.
         Pass ``round_ctx`` to also reject payloads made for another round or seed.
         Every malformed payload raises a ``MalformedPayloadError`` subclass.
         """
@@ -130,7 +130,7 @@ class Codec:
         except (ValueError, TypeError, IndexError, KeyError, OverflowError, AttributeError) as exc:
             raise MalformedPayloadError(f"payload could not be decoded ({type(exc).__name__}: {exc})") from exc
 
-    def _decode_flat(self, encoded: Encoded, spec: UpdateSpec, round_ctx: RoundContext | None) -> np.ndarray:
+    def _decode_flat(self, encoded: Encoded, spec: UpdateSpec, round_ctx: CodecRound | None) -> np.ndarray:
         arrays, meta = encoded.arrays, encoded.meta
         if not isinstance(arrays, Mapping) or not isinstance(meta, Mapping):
             raise MalformedPayloadError("encoded payload must carry a dict of arrays and a dict of metadata")
@@ -167,83 +167,8 @@ class Codec:
             raise MetadataError(f"payload claims to be a sum of {summed} updates but {self.spec!r} is not linear")
         return summed
 
-    def aggregate(self, encoded: Sequence[Encoded], spec: UpdateSpec) -> Encoded:
-        """Sum payloads without decoding them (linear codecs only); decode the result to get the
-        sum of the sites' updates. Each input is fully validated first."""
-        if not self.linear_under_masks:
-            raise NotLinearError(f"codec {self.spec!r} is not linear: decode each update and sum the results")
-        if not encoded:
-            raise CodecError("aggregate needs at least one encoded update")
-        first = encoded[0].meta
-        payloads = []
-        total = 0
-        for enc in encoded:
-            self._decode_flat(enc, spec, None)  # full validation, including the index support
-            for key in ("k", "seed", "server_round"):
-                if enc.meta.get(key) != first.get(key):
-                    raise MetadataError(
-                        f"cannot sum payloads with different {key!r} ({enc.meta.get(key)!r} vs {first.get(key)!r})"
-                    )
-            summed = int(enc.meta["summed"])
-            payloads.append((enc.arrays, summed))
-            total += summed
-        m = self.sparsifier.k(spec.numel) if self.sparsifier else spec.numel
-        meta = dict(first)
-        meta["summed"] = total
-        return Encoded(self.values.sum(payloads, m), meta)
 
-    # -- secure aggregation helpers ----------------------------------------------------------------
-
-    def secagg_value_bits(self, n_sites: int) -> int | None:
-        """Bits per masked ring element so the sum over ``n_sites`` cannot wrap.
-
-        ``None`` means the payload is float (identity / random-k alone): the SecAgg layer must
-        apply its own fixed-point encoding. Raises ``NotLinearError`` for non-linear codecs.
-        """
-        if not self.linear_under_masks:
-            raise NotLinearError(f"codec {self.spec!r} cannot be used with secure aggregation")
-        return None if self.values.qmax is None else sum_bits(self.values.qmax, n_sites)
-
-    def secagg_wire_nbytes(self, numel: int, n_sites: int) -> int | None:
-        """Bytes one site sends under SecAgg: kept values packed at ``secagg_value_bits``."""
-        bits = self.secagg_value_bits(n_sites)
-        if bits is None:
-            return None
-        m = self.sparsifier.k(numel) if self.sparsifier else numel
-        return packed_nbytes(m, bits)
-
-    def to_ring(self, encoded: Encoded, spec: UpdateSpec, n_sites: int) -> tuple[np.ndarray, int]:
-        """The site's integer codes as uint64 ring elements mod 2**bits, ready for masking."""
-        bits = self.secagg_value_bits(n_sites)
-        if bits is None:
-            raise NotLinearError(f"codec {self.spec!r} has float payloads; fixed-point them before masking")
-        self._decode_flat(encoded, spec, None)
-        m = self.sparsifier.k(spec.numel) if self.sparsifier else spec.numel
-        q = self.values.int_values(encoded.arrays, m, int(encoded.meta["summed"]))
-        return to_ring(q, bits), bits
-
-    def from_ring_sum(
-        self, ring_sum: np.ndarray, spec: UpdateSpec, round_ctx: RoundContext, n_sites: int
-    ) -> Encoded:
-        """Turn the unmasked ring sum of ``n_sites`` payloads back into a summed ``Encoded``."""
-        bits = self.secagg_value_bits(n_sites)
-        if bits is None:
-            raise NotLinearError(f"codec {self.spec!r} has float payloads")
-        m = self.sparsifier.k(spec.numel) if self.sparsifier else spec.numel
-        if not isinstance(ring_sum, np.ndarray) or ring_sum.shape != (m,):
-            raise MalformedPayloadError(f"ring sum has shape {getattr(ring_sum, 'shape', None)}, expected ({m},)")
-        q = from_ring(ring_sum, bits)
-        meta: dict[str, MetaValue] = {"codec": self.spec, "numel": spec.numel, "layout": spec.digest, "summed": n_sites}
-        if self.sparsifier is not None:
-            meta.update({"k": m, "seed": round_ctx.seed, "server_round": round_ctx.server_round})
-        if n_sites == 1:  # a "sum" of one site is that site's own payload format
-            values = self.values.pack(q)
-        else:
-            values = q.astype(np.int32 if bits < 32 else np.int64)
-        return Encoded({"values": values}, meta)
-
-
-def _rounding_rng(ctx: RoundContext) -> np.random.Generator:
+def _rounding_rng(ctx: CodecRound) -> np.random.Generator:
     """Site-private randomness for stochastic rounding (reproducible only if ``site_seed`` is set)."""
     if ctx.site_seed is None:
         return np.random.default_rng()

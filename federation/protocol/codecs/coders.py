@@ -7,14 +7,12 @@ Stages only see flat float32 vectors and produce named payload arrays; the ``Cod
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Mapping, Sequence
+from typing import Mapping
 
 import numpy as np
 
-from .base import MetaValue, RoundContext
-from .errors import NotLinearError
-
-Arrays = dict[str, np.ndarray]
+from .base import Arrays, CodecRound, MetaValue, meta_int
+from .errors import MetadataError
 
 
 class ValueCoder(ABC):
@@ -37,18 +35,6 @@ class ValueCoder(ABC):
     def decode(self, arrays: Mapping[str, np.ndarray], m: int, summed: int) -> np.ndarray:
         """Validate the payload and return ``m`` float32 values (the sum, if ``summed`` > 1)."""
 
-    def sum(self, payloads: Sequence[tuple[Mapping[str, np.ndarray], int]], m: int) -> Arrays:
-        """Add validated payloads ``(arrays, summed)`` without decoding (linear coders only)."""
-        raise NotLinearError(f"value coder {self.token!r} payloads cannot be summed")
-
-    def int_values(self, arrays: Mapping[str, np.ndarray], m: int, summed: int) -> np.ndarray:
-        """Validated integer codes as int64 (integer coders only; used for SecAgg rings)."""
-        raise NotLinearError(f"value coder {self.token!r} has no integer codes")
-
-    def pack(self, q: np.ndarray) -> np.ndarray:
-        """Integer codes -> one site's wire array (integer coders only)."""
-        raise NotLinearError(f"value coder {self.token!r} has no integer codes")
-
 
 class Sparsifier(ABC):
     """Chooses which coordinates travel."""
@@ -67,12 +53,19 @@ class Sparsifier(ABC):
             return 0
         return min(numel, max(1, int(round(self.fraction * numel))))
 
+    def checked_k(self, meta: Mapping[str, MetaValue], numel: int) -> int:
+        """``k`` for ``numel``, after checking that the payload's metadata says the same."""
+        k = self.k(numel)
+        if meta_int(meta, "k") != k:
+            raise MetadataError(f"metadata k={meta['k']} but {self.token} keeps k={k} of numel={numel}")
+        return k
+
     @abstractmethod
-    def select(self, x: np.ndarray, ctx: RoundContext) -> tuple[np.ndarray, Arrays, dict[str, MetaValue]]:
+    def select(self, x: np.ndarray, ctx: CodecRound) -> tuple[np.ndarray, Arrays, dict[str, MetaValue]]:
         """Return (sorted int64 indices, index payload arrays, metadata)."""
 
     @abstractmethod
     def support(
-        self, arrays: Mapping[str, np.ndarray], meta: Mapping[str, MetaValue], numel: int, ctx: RoundContext | None
+        self, arrays: Mapping[str, np.ndarray], meta: Mapping[str, MetaValue], numel: int, ctx: CodecRound | None
     ) -> np.ndarray:
         """Validate and return the sorted int64 indices a payload refers to."""

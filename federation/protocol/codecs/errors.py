@@ -26,10 +26,6 @@ class ProtectionConfigError(CodecConfigError):
         self.alternatives = alternatives
 
 
-class NotLinearError(CodecError):
-    """Encoded payloads of this codec cannot be summed without decoding them first."""
-
-
 class UpdateError(CodecError):
     """The update handed to ``encode`` is unusable (wrong dtype, non-finite, layout changed)."""
 

@@ -10,13 +10,13 @@ Bounds (for finite inputs inside the format's range):
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Mapping
 
 import numpy as np
 
-from .base import payload_array
+from .base import Arrays, payload_array
+from .coders import ValueCoder
 from .errors import NonFiniteValueError
-from .coders import Arrays, ValueCoder
 
 FP16_MAX = float(np.finfo(np.float16).max)
 
@@ -37,19 +37,16 @@ class Float32Values(ValueCoder):
     linear = True
 
     def encode(self, values: np.ndarray, rng: np.random.Generator) -> tuple[Arrays, np.ndarray]:
+        """The values as float32 (no loss)."""
         out = np.array(values, dtype=np.float32, copy=True)
         return {"values": out}, out
 
     def decode(self, arrays: Mapping[str, np.ndarray], m: int, summed: int) -> np.ndarray:
+        """Check length and finiteness; the values as float32."""
         values = payload_array(arrays, "values", np.float32, m)
         _reject_non_finite(values)
         return values.astype(np.float32, copy=True)
 
-    def sum(self, payloads: Sequence[tuple[Mapping[str, np.ndarray], int]], m: int) -> Arrays:
-        total = np.zeros(m, dtype=np.float64)
-        for arrays, summed in payloads:
-            total += self.decode(arrays, m, summed)
-        return {"values": total.astype(np.float32)}
 
 
 class Fp16Values(ValueCoder):
@@ -59,10 +56,12 @@ class Fp16Values(ValueCoder):
     array_names = ("values",)
 
     def encode(self, values: np.ndarray, rng: np.random.Generator) -> tuple[Arrays, np.ndarray]:
+        """Round to half precision, clamped to ±65504."""
         half = np.clip(values, -FP16_MAX, FP16_MAX).astype(np.float16)
         return {"values": half}, half.astype(np.float32)
 
     def decode(self, arrays: Mapping[str, np.ndarray], m: int, summed: int) -> np.ndarray:
+        """Check length and finiteness; back to float32."""
         values = payload_array(arrays, "values", np.float16, m)
         _reject_non_finite(values)
         return values.astype(np.float32)
@@ -79,6 +78,7 @@ def bf16_bits(values: np.ndarray) -> np.ndarray:
 
 
 def bf16_to_float32(bits: np.ndarray) -> np.ndarray:
+    """bf16 bit patterns (uint16) -> float32, exactly."""
     return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
@@ -89,10 +89,12 @@ class Bf16Values(ValueCoder):
     array_names = ("values",)
 
     def encode(self, values: np.ndarray, rng: np.random.Generator) -> tuple[Arrays, np.ndarray]:
+        """Round to bf16 (nearest even), carried as uint16 bit patterns."""
         bits = bf16_bits(values)
         return {"values": bits}, bf16_to_float32(bits)
 
     def decode(self, arrays: Mapping[str, np.ndarray], m: int, summed: int) -> np.ndarray:
+        """Reject NaN/Inf bit patterns; back to float32."""
         bits = payload_array(arrays, "values", np.uint16, m)
         bad = (bits & np.uint16(0x7F80)) == np.uint16(0x7F80)
         if bad.any():

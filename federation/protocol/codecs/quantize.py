@@ -16,14 +16,14 @@ so the most negative code is never produced and decode rejects it.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Mapping
 
 import numpy as np
 
-from .base import payload_array
+from .base import Arrays, payload_array
 from .bitpack import pack_int4, unpack_int4
+from .coders import ValueCoder
 from .errors import CodecConfigError, NonFiniteValueError, QuantizedRangeError, ScaleError
-from .coders import Arrays, ValueCoder
 
 _TINY = float(np.finfo(np.float32).tiny)
 _DTYPES = {4: np.dtype(np.uint8), 8: np.dtype(np.int8), 16: np.dtype(np.int16)}
@@ -51,6 +51,7 @@ class StochasticInt(ValueCoder):
     # -- site ------------------------------------------------------------------------------------
 
     def encode(self, values: np.ndarray, rng: np.random.Generator) -> tuple[Arrays, np.ndarray]:
+        """Stochastic rounding to integer codes, with common or per-block scales."""
         m = values.size
         qmax = np.float32(self.qmax)
         if self.clip is not None:
@@ -113,17 +114,9 @@ class StochasticInt(ValueCoder):
         return scales
 
     def decode(self, arrays: Mapping[str, np.ndarray], m: int, summed: int) -> np.ndarray:
+        """Check the codes (and scales) and scale them back to float32."""
         q = self.int_values(arrays, m, summed)
         if self.clip is not None:
             return q.astype(np.float32) * self.scale
         scales = self._scales(arrays, m)
         return q.astype(np.float32) * np.repeat(scales, self.block_size)[:m]
-
-    def sum(self, payloads: Sequence[tuple[Mapping[str, np.ndarray], int]], m: int) -> Arrays:
-        total = np.zeros(m, dtype=np.int64)
-        count = 0
-        for arrays, summed in payloads:
-            total += self.int_values(arrays, m, summed)
-            count += summed
-        dtype = np.int32 if self.qmax * count < 2**31 else np.int64
-        return {"values": total.astype(dtype)}

@@ -11,10 +11,10 @@ from typing import Literal, Mapping
 
 import numpy as np
 
-from .base import MetaValue, RoundContext, meta_int, payload_array
+from .base import Arrays, CodecRound, MetaValue, meta_int, payload_array
 from .bitpack import MAX_RICE_R, packed_nbytes, rice_decode, rice_encode
+from .coders import Sparsifier
 from .errors import DuplicateIndexError, IndexOrderError, IndexRangeError, MetadataError
-from .coders import Arrays, Sparsifier
 
 _RANDK_DOMAIN = 0x72616E646B  # "randk": separates this stream from any other use of the seed
 _INT32_MAX = 2**31 - 1
@@ -32,7 +32,8 @@ class TopK(Sparsifier):
         self.token = f"topk:{fraction!r}:index={index_coding}"
         self.array_names = ("indices",) if index_coding == "int32" else ("index_unary", "index_low")
 
-    def select(self, x: np.ndarray, ctx: RoundContext) -> tuple[np.ndarray, Arrays, dict[str, MetaValue]]:
+    def select(self, x: np.ndarray, ctx: CodecRound) -> tuple[np.ndarray, Arrays, dict[str, MetaValue]]:
+        """The k largest |values|, their indices coded as configured."""
         n = x.size
         k = self.k(n)
         if k == n:
@@ -49,11 +50,10 @@ class TopK(Sparsifier):
         return idx, {"index_unary": unary, "index_low": low}, meta
 
     def support(
-        self, arrays: Mapping[str, np.ndarray], meta: Mapping[str, MetaValue], numel: int, ctx: RoundContext | None
+        self, arrays: Mapping[str, np.ndarray], meta: Mapping[str, MetaValue], numel: int, ctx: CodecRound | None
     ) -> np.ndarray:
-        k = self.k(numel)
-        if meta_int(meta, "k") != k:
-            raise MetadataError(f"metadata k={meta['k']} but {self.token} keeps k={k} of numel={numel}")
+        """Decode and check the indices: in range, ascending, no duplicates."""
+        k = self.checked_k(meta, numel)
         if self.index_coding == "delta":
             r = meta_int(meta, "rice_r", 0, MAX_RICE_R)
             unary = payload_array(arrays, "index_unary", np.uint8, None)
@@ -112,17 +112,17 @@ class RandK(Sparsifier):
         super().__init__(fraction)
         self.token = f"randk:{fraction!r}"
 
-    def select(self, x: np.ndarray, ctx: RoundContext) -> tuple[np.ndarray, Arrays, dict[str, MetaValue]]:
+    def select(self, x: np.ndarray, ctx: CodecRound) -> tuple[np.ndarray, Arrays, dict[str, MetaValue]]:
+        """The round's shared k coordinates: nothing about them travels but k and the seed."""
         k = self.k(x.size)
         idx = shared_indices(ctx.seed, ctx.server_round, x.size, k)
         return idx, {}, {"k": k, "seed": ctx.seed, "server_round": ctx.server_round}
 
     def support(
-        self, arrays: Mapping[str, np.ndarray], meta: Mapping[str, MetaValue], numel: int, ctx: RoundContext | None
+        self, arrays: Mapping[str, np.ndarray], meta: Mapping[str, MetaValue], numel: int, ctx: CodecRound | None
     ) -> np.ndarray:
-        k = self.k(numel)
-        if meta_int(meta, "k") != k:
-            raise MetadataError(f"metadata k={meta['k']} but {self.token} keeps k={k} of numel={numel}")
+        """Rebuild the shared coordinates from the payload's seed and round (checked against this round's)."""
+        k = self.checked_k(meta, numel)
         seed = meta_int(meta, "seed", 0, 2**63 - 1)
         server_round = meta_int(meta, "server_round", 0, 2**63 - 1)
         if ctx is not None and (seed, server_round) != (ctx.seed, ctx.server_round):

@@ -78,9 +78,11 @@ class CodecConfig(BaseModel):
 
     @property
     def linear_under_masks(self) -> bool:
+        """Whether payloads of different sites add up coordinate by coordinate (SecAgg-compatible)."""
         return self.build().linear_under_masks
 
     def build(self) -> Codec:
+        """The codec this config describes."""
         sparsifier: Sparsifier | None = None
         if self.sparsifier == "topk":
             sparsifier = TopK(float(self.fraction or 0), self.index_coding)

@@ -1,0 +1,129 @@
+"""The coordinator's side of the downlink: the reference model, its recent encoded steps, what each
+site reported holding, and the bytes each site was sent (see protocol/downlink_steps.py for why a
+reference and for the message format)."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+
+import numpy as np
+
+from federation.protocol import message_keys as keys
+from federation.protocol.codecs import Arrays, CodecRound, UpdateSpec, parse_codec
+from federation.protocol.downlink_steps import (
+    MAX_STEPS,
+    Step,
+    apply_step,
+    dense_payload,
+    full_payload,
+    hold_payload,
+    model_digest,
+    steps_payload,
+)
+from federation.protocol.payload_records import array_bytes, to_records
+from federation.protocol.pipeline import Payload
+
+
+def step_seed(federation_seed: int, version: int) -> int:
+    """Seed of the coordinator's `version`-th step (random-k coordinates, stochastic rounding)."""
+    return int(np.random.default_rng([federation_seed, version, 0xD0A1]).integers(0, 2**63 - 1))
+
+
+class DownlinkSender:
+    """What goes into the GLOBAL (and DOWNLINK) records of each site's message, and what it cost."""
+
+    def __init__(self, spec: str = "identity", seed: int = 0):
+        codec = parse_codec(spec)
+        self.codec = None if codec.spec == "identity" else codec
+        self.spec = codec.spec
+        self.seed = seed
+        self.reference: Arrays | None = None
+        self.digest: str | None = None
+        self.steps: list[Step] = []
+        self.version = 0
+        self.held: dict[int, str] = {}  # node -> digest it reported in its last good reply
+        self._source: Arrays | None = None  # the model object the reference follows
+        self._bytes: Counter[str] = Counter()
+        self._dense: Counter[str] = Counter()
+        self._modes: Counter[str] = Counter()
+        self._encode_s = 0.0
+
+    # ---- the reference -------------------------------------------------------------------------
+    def update(self, model: Arrays) -> None:
+        """Make the reference follow `model`: one encoded step per new model object."""
+        if model is self._source:
+            return
+        self._source = model
+        if self.codec is None:
+            return
+        t0 = time.perf_counter()
+        if self.reference is None or UpdateSpec.of(model) != UpdateSpec.of(self.reference):
+            self.reference = {k: np.array(v, dtype=np.float32) for k, v in model.items()}
+            self.digest, self.steps = model_digest(self.reference), []
+        else:
+            self.version += 1
+            layout = UpdateSpec.of(self.reference)
+            seed = step_seed(self.seed, self.version)
+            enc, _ = self.codec.encode({k: model[k] - v for k, v in self.reference.items()}, None,
+                                       CodecRound(self.version, seed, site_seed=seed))
+            self.steps.append(Step(self.digest, enc))
+            self.reference = apply_step(self.reference, self.codec.decode(enc, layout))
+            self.digest = model_digest(self.reference)
+            while self.steps and (sum(s.encoded.nbytes for s in self.steps) >= 4 * layout.numel
+                                  or len(self.steps) > MAX_STEPS):
+                self.steps.pop(0)  # a site that far behind is better served by the full model
+        self._encode_s += time.perf_counter() - t0
+
+    def payload(self, node: int) -> tuple[tuple, Payload]:
+        """(cache key, payload) for `node`. What the node holds is forgotten until it reports again:
+        if its reply fails, it may hold anything, and it gets the full model next time."""
+        if self.codec is None:
+            return ("dense",), dense_payload(self._source or {})
+        held = self.held.pop(node, None)
+        if held == self.digest:
+            return ("hold",), hold_payload(self.digest)
+        start = next((i for i, s in enumerate(self.steps) if s.base == held), None)
+        if start is None:
+            return ("full",), full_payload(self.reference, self.digest)
+        return ("steps", start), steps_payload(self.steps[start:], self.digest)
+
+    # ---- messages ------------------------------------------------------------------------------
+    def stage(self, model: Arrays, name_of: Callable[[int], str]) -> Callable[[int], dict]:
+        """The model records of one stage's messages, node by node. Each distinct content is
+        serialized once per stage and shared by every message that carries it."""
+        self.update(model)
+        cache: dict[tuple, dict] = {}
+        dense = sum(4 * int(v.size) for v in model.values())
+
+        def records(node: int) -> dict:
+            key, payload = self.payload(node)
+            if key not in cache:
+                rd = to_records(payload, keys.GLOBAL, keys.DOWNLINK)
+                cache[key] = {keys.GLOBAL: rd.array_records[keys.GLOBAL]}
+                if self.codec is not None:
+                    cache[key][keys.DOWNLINK] = rd.config_records[keys.DOWNLINK]
+            name = name_of(node)
+            self._bytes[name] += array_bytes(cache[key][keys.GLOBAL])
+            self._dense[name] += dense
+            self._modes[key[0]] += 1
+            return cache[key]
+
+        return records
+
+    def heard(self, node: int, status: Mapping) -> None:
+        """A good reply: remember the model digest the site says it holds (if it says one)."""
+        digest = status.get(keys.MODEL_DIGEST)
+        if isinstance(digest, str) and digest:
+            self.held[node] = digest
+
+    def round_metrics(self) -> dict:
+        """This round's downlink line (and reset): bytes per site from the records sent, the dense
+        float32 bytes the same messages would have carried, their ratio, and the modes used."""
+        sent, dense = sum(self._bytes.values()), sum(self._dense.values())
+        out = {"codec": self.spec, "bytes": dict(self._bytes), "dense_bytes": dense,
+               "ratio": dense / sent if sent else None, "modes": dict(self._modes),
+               "encode_s": round(self._encode_s, 6)}
+        self._bytes, self._dense, self._modes, self._encode_s = Counter(), Counter(), Counter(), 0.0
+        return out

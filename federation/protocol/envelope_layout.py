@@ -1,0 +1,81 @@
+"""How an update travels inside a signed (and maybe sealed) envelope, both halves of the format.
+
+The envelope covers the whole payload: the arrays are laid out back to back in one buffer whose
+layout and metadata travel inside the signed header (`inner`), so nothing about an update is
+unauthenticated. The site packs (site/protection_mod.py), the coordinator unpacks
+(coordinator/envelope_opener.py); the layout is checked before any array is viewed, so hostile
+bytes become an `UpdateRejected`, never objects or reads past the buffer.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from crypto.envelope import Envelope
+from federation.protocol.codecs import Arrays
+from federation.protocol.pipeline import Payload, UpdateRejected
+
+ARRAY = "envelope"  # the payload array holding the envelope body
+HEADER, SIGNATURE = "envelope_header", "envelope_signature"  # payload meta fields
+_ALLOWED_KINDS = set("fiub")  # numeric and bool dtypes only; never objects
+
+
+def pack(arrays: Arrays) -> tuple[np.ndarray, list]:
+    """All arrays back to back in one uint8 buffer, and the layout to find them again."""
+    layout, offset = [], 0
+    for name, a in arrays.items():
+        layout.append([name, a.dtype.str, list(a.shape), offset])
+        offset += a.nbytes
+    buf = np.empty(offset, dtype=np.uint8)
+    for (name, _, _, off), a in zip(layout, arrays.values()):
+        buf[off:off + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    return buf, layout
+
+
+def unpack(buf: np.ndarray, layout: list) -> Arrays:
+    """The arrays `pack` laid out, as views of `buf`; UpdateRejected if the layout is unusable."""
+    out = {}
+    try:
+        for name, dtype, shape, off in layout:
+            dt = np.dtype(dtype)
+            if dt.kind not in _ALLOWED_KINDS:
+                raise ValueError(f"dtype {dtype} not allowed")
+            n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+            if off < 0 or off + n > len(buf):
+                raise ValueError(f"{name} runs past the payload")
+            out[str(name)] = buf[off:off + n].view(dt).reshape(shape)
+    except (TypeError, ValueError) as err:
+        raise UpdateRejected("malformed", f"signed payload layout is unusable: {err}") from None
+    return out
+
+
+def inner(payload: Payload) -> tuple[np.ndarray, bytes]:
+    """Site: the buffer to envelope and the metadata to sign with it (layout + payload meta)."""
+    buf, layout = pack(payload.arrays)
+    return buf, json.dumps({"layout": layout, "meta": payload.meta}, separators=(",", ":")).encode()
+
+
+def from_inner(buf: np.ndarray, signed_meta: bytes) -> Payload:
+    """Coordinator: the payload `inner` packed, from an opened envelope's buffer and signed meta."""
+    try:
+        doc = json.loads(signed_meta)
+        layout, meta = doc["layout"], dict(doc.get("meta", {}))
+    except (ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as err:
+        raise UpdateRejected("malformed", f"signed metadata is not the expected JSON: {err}") from None
+    return Payload(unpack(buf, layout), meta)
+
+
+def as_payload(env: Envelope) -> Payload:
+    """An envelope as the payload that goes on the wire."""
+    body = np.frombuffer(env.body, dtype=np.uint8) if isinstance(env.body, bytes) else np.asarray(env.body)
+    return Payload({ARRAY: body}, {HEADER: env.header, SIGNATURE: env.signature})
+
+
+def envelope_of(payload: Payload) -> Envelope:
+    """The envelope a wire payload carries; UpdateRejected("unsigned") when it carries none."""
+    try:
+        return Envelope(bytes(payload.meta[HEADER]), bytes(payload.meta[SIGNATURE]), payload.arrays[ARRAY])
+    except KeyError as err:
+        raise UpdateRejected("unsigned", f"update carries no signed envelope (missing {err})") from None

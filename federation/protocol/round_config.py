@@ -1,0 +1,54 @@
+"""The round config: what a site must know about the round it is asked to take part in.
+
+It travels as the CONFIG record of every train and evaluate message. The coordinator builds it once
+per stage (`RoundConfig` from the federation config, `to_record`); the site parses it once per
+message (`from_record`, in its SiteEnv) and every mod reads typed fields, so each default lives
+here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Literal
+
+from flwr.app import ConfigRecord
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class RoundConfigError(ValueError):
+    """A message's round config does not parse; the text names the field (a version mismatch
+    between coordinator and site, or a tampered message)."""
+
+
+class RoundConfig(BaseModel):
+    """One round as the sites see it. Unknown fields are refused: both sides run one version."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    round: int = Field(0, ge=0, description="the server round this message belongs to")
+    federation: str = Field("", description="the federation's name (binds envelopes and codec rounds)")
+    update_kind: Literal["weights", "delta"] = Field("delta", description="what the trainer sends back")
+    seed: int = Field(0, ge=0, le=2**63 - 1, description="the round's public seed (shared-seed codecs)")
+    codec: str = Field("identity", description="the update codec spec (federation.codec)")
+    error_feedback: bool = Field(True, description="keep what a lossy codec did not send for the next round")
+    seal: bool = Field(False, description="seal the update to the coordinator's key")
+    deadline_s: float = Field(300.0, gt=0, description="the site must answer within this (ClientApp start-up included)")
+
+    def to_record(self) -> ConfigRecord:
+        """The CONFIG record of a message."""
+        return ConfigRecord(self.model_dump())
+
+    @classmethod
+    def from_record(cls, rec: Mapping | None) -> "RoundConfig":
+        """Parse a CONFIG record (None or absent fields: the defaults above); RoundConfigError if bad."""
+        try:
+            return cls.model_validate(dict(rec or {}))
+        except ValidationError as err:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or '(record)'}: {e['msg']}" for e in err.errors())
+            raise RoundConfigError(f"the round config of this message is unusable ({problems}); coordinator and "
+                                   "site must run the same sovereign-fl version") from None
+
+    @classmethod
+    def of(cls, cfg: "RoundConfig | Mapping | None") -> "RoundConfig":
+        """`cfg` itself when already parsed, else `from_record(cfg)`."""
+        return cfg if isinstance(cfg, RoundConfig) else cls.from_record(cfg)

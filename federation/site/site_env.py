@@ -1,0 +1,136 @@
+"""What the mods of one message share about their site, loaded at most once per message.
+
+Flower starts a fresh ClientApp process per message and hands every mod the same `Context`. The
+outermost mod (`SiteScope`, installed by client_app.build_client_app) makes one `SiteEnv` per
+message; every inner mod and the bare trainer call find it with `SiteEnv.current(context)`. The
+site's bundle (its keys and the federation registry), its attestation settings, the parsed round
+config, the trainer and the site store are each loaded on first use and then shared, instead of
+once per mod.
+
+Where state lives, chosen once: what must outlive the message lives either in Flower's
+`context.state` (small records that belong to the current Flower run: a SecAgg round's secrets,
+the site's attestation nonces and verdict) or in the site store on disk (site_store.py: the model
+the site holds and its codec residual, which must also survive a SuperNode restart and a new run).
+Nothing else is kept between messages.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextvars import ContextVar
+from functools import cached_property
+
+from flwr.app import Context, Message
+
+from crypto.pki import SiteBundle
+from federation.config import SiteAttestation
+from federation.protocol import message_keys as keys
+from federation.protocol.pipeline import RoundContext
+from federation.protocol.round_config import RoundConfig
+from federation.site.site_store import SiteStore
+from federation.site.trainer_call import NODE_CONFIG_HINT, GlobalModel, Trainer
+
+_CURRENT: ContextVar["SiteEnv | None"] = ContextVar("sovfl_site_env", default=None)
+
+TrainerFactory = Callable[["SiteEnv"], Trainer]
+
+
+class SiteAttestationError(RuntimeError):
+    """This site cannot take part in attestation as configured; the message says how to fix it."""
+
+
+class SiteEnv:
+    """One message's view of its site: node config, keys, settings, round config, trainer, store."""
+
+    def __init__(self, msg: Message, context: Context, trainer_for: TrainerFactory):
+        self.msg, self.context = msg, context
+        self.node_config = context.node_config
+        try:
+            self.site = str(self.node_config["site-id"])
+        except KeyError as err:
+            raise RuntimeError(f"SuperNode started without node config {err}; start it with {NODE_CONFIG_HINT}") from None
+        self._trainer_for = trainer_for
+        self.global_model: GlobalModel | None = None  # set by the downlink mod for the trainer call
+
+    @staticmethod
+    def current(context: Context) -> "SiteEnv | None":
+        """The env of the message being handled with `context`, if a SiteScope made one."""
+        env = _CURRENT.get()
+        return env if env is not None and env.context is context else None
+
+    @cached_property
+    def bundle(self) -> SiteBundle | None:
+        """The site's provisioned keys and peer registry (node config `bundle-dir`), or None."""
+        return load_bundle(self.context)
+
+    @cached_property
+    def attestation(self) -> SiteAttestation | None:
+        """The site's own attestation settings (node config `attestation-config`), or None."""
+        return load_attestation(self.context)
+
+    @cached_property
+    def config(self) -> RoundConfig:
+        """The message's round config, parsed once (RoundConfigError if it does not parse)."""
+        return RoundConfig.from_record(self.msg.content.config_records.get(keys.CONFIG))
+
+    @cached_property
+    def trainer(self) -> Trainer:
+        """The site's trainer."""
+        return self._trainer_for(self)
+
+    @cached_property
+    def store(self) -> SiteStore:
+        """The site's store, under the workdir its trainer reports."""
+        return SiteStore(self.trainer.workdir())
+
+    def round_context(self) -> RoundContext:
+        """This message's round, as the pipeline stages bind to it."""
+        cfg = self.config
+        return RoundContext(cfg.federation, int(self.msg.metadata.run_id), cfg.round, self.site, cfg.seed)
+
+
+def load_bundle(context: Context) -> SiteBundle | None:
+    """The site's bundle from node config `bundle-dir` (None without one)."""
+    path = str(context.node_config.get("bundle-dir", "") or "")
+    return SiteBundle.load(path) if path else None
+
+
+def load_attestation(context: Context) -> SiteAttestation | None:
+    """The site's attestation settings from node config `attestation-config` (None without)."""
+    path = str(context.node_config.get("attestation-config", "") or "")
+    if not path:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return SiteAttestation.model_validate_json(f.read())
+    except (OSError, ValueError) as err:
+        raise SiteAttestationError(f"attestation settings {path} are unusable: {err}") from None
+
+
+class SiteScope:
+    """The outermost mod: one SiteEnv per message for the mods inside, and the relay's own time
+    (`relay_s`) in the metrics of train and evaluate replies."""
+
+    def __init__(self, trainer_for: TrainerFactory):
+        self.trainer_for = trainer_for
+
+    def __call__(self, msg: Message, context: Context, call_next) -> Message:
+        """Handle `msg` with a fresh SiteEnv current."""
+        t0 = time.perf_counter()
+        token = _CURRENT.set(SiteEnv(msg, context, self.trainer_for))
+        try:
+            reply = call_next(msg, context)
+        finally:
+            _CURRENT.reset(token)
+        if reply.has_content() and keys.METRICS in reply.content.metric_records:
+            reply.content.metric_records[keys.METRICS]["relay_s"] = time.perf_counter() - t0
+        return reply
+
+
+def site_env(context: Context) -> SiteEnv:
+    """The current SiteEnv; mods run only inside a SiteScope (client_app.build_client_app)."""
+    env = SiteEnv.current(context)
+    if env is None:
+        raise RuntimeError("site mods run inside SiteScope; build the ClientApp with client_app.build_client_app")
+    return env
