@@ -1,0 +1,140 @@
+"""The site as a trainer call wrapped in mods: the codec residual stays in the site's own store.
+
+Against a real trainer endpoint (site_trainer.endpoint over a Unix socket, tensors through hand-off
+files, a numpy handler instead of torch ranks): the ClientApp never sends the trainer any state and
+never calls PutState, the residual is written to <workdir>/residual/ and read back in the next round
+by a fresh ClientApp process, also after a SuperNode restart (a new context, nothing in
+context.state), and it is exactly what the codec did not send. The in-process federation then runs
+the real coordinator strategies against these mods (benchmarks/_fedsim.py does the same at scale).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr.app import ArrayRecord, Context, Message, RecordDict
+from flwr.common.serde import context_from_proto, context_to_proto
+
+from federation.ops.inprocess import FunctionTrainer, InProcessSite, task_identity, wire
+from federation.protocol import message_keys as keys
+from federation.protocol.codecs import UpdateSpec, parse_codec
+from federation.protocol.payload_records import from_records, to_array
+from federation.protocol.pipeline import RoundContext
+from federation.protocol.round_config import RoundConfig
+from federation.protocol.update_codec import CodecStage
+from federation.site.client_app import build_client_app
+from federation.site.site_store import SiteStore
+from site_trainer import endpoint, handoff
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks._fedsim import RUN_ID, coordinator  # noqa: E402
+
+CODEC = "topk:0.1+int8"
+SHAPES = {"w": (12, 8), "b": (8,)}
+
+
+def update_for(rnd: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(rnd)
+    return {k: rng.normal(size=s).astype(np.float32) for k, s in SHAPES.items()}
+
+
+class FakeService:
+    """The trainer service's endpoint, answered by numpy: records every method and request."""
+
+    def __init__(self, tmp_path):
+        self.workdir, self.calls = tmp_path / "site", []
+        self.socket = str(tmp_path / "t.sock")
+        self.server = endpoint.serve(self.socket, self.handle)
+
+    def handle(self, method: str, req: dict) -> dict:
+        self.calls.append((method, dict(req)))
+        if method == "Info":
+            return {"ok": True, "num_examples": 10, "ranks": 1, "workdir": str(self.workdir)}
+        if method == "Train":
+            glob = handoff.map_arrays(handoff.Handle.from_json(req["global"]))
+            assert set(glob) == set(SHAPES)
+            h = handoff.write_arrays(update_for(int(req["round"])), tag="upd", directory=self.workdir)
+            return {"ok": True, "update": h.to_json(), "num_examples": 10, "metrics": {"loss": 1.0}, "rank_digests": ["d"]}
+        return {"ok": False, "error": f"unexpected method {method}"}
+
+
+@pytest.fixture
+def service(tmp_path):
+    svc = FakeService(tmp_path)
+    svc.workdir.mkdir()
+    yield svc
+    svc.server.stop(0)
+
+
+def new_context(service: FakeService) -> bytes:
+    """A SuperNode's context (started afresh: nothing in its state)."""
+    return context_to_proto(Context(run_id=7, node_id=3, node_config={"site-id": "a", "trainer-socket": service.socket},
+                                    state=RecordDict(), run_config={}))
+
+
+def train_message(rnd: int) -> Message:
+    config = RoundConfig(round=rnd, federation="f", codec=CODEC, error_feedback=True, seed=99, deadline_s=20)
+    glob = ArrayRecord({k: to_array(np.zeros(s, np.float32)) for k, s in SHAPES.items()})
+    with task_identity(7):
+        msg = Message(RecordDict({keys.CONFIG: config.to_record(), keys.GLOBAL: glob}), dst_node_id=3,
+                      message_type="train", ttl=60)
+    msg.metadata.__dict__["_message_id"] = f"m{rnd}"
+    return wire(msg)
+
+
+def run(app, ctx_proto: bytes, rnd: int) -> tuple[Message, bytes]:
+    """One message through a fresh ClientApp process: the reply and the context the SuperNode keeps."""
+    ctx = context_from_proto(ctx_proto)
+    reply = app(train_message(rnd), ctx)
+    return reply, context_to_proto(ctx)
+
+
+def test_residual_lives_in_the_site_store_and_never_goes_to_the_trainer(service):
+    app = build_client_app()  # the deployment's: the trainer service over its socket
+    ctx = new_context(service)
+    reply, ctx = run(app, ctx, 1)
+    assert reply.content.config_records[keys.STATUS]["ok"], reply.content.config_records[keys.STATUS]["error"]
+    metrics = reply.content.metric_records[keys.METRICS]
+    assert metrics["state_arrays_in"] == 0 and metrics["upload_bytes"] * 4 < metrics["dense_bytes"]
+    store = SiteStore(service.workdir)
+    kept = {k: np.array(v) for k, v in store.residual.load().items()}
+    assert set(kept) == set(SHAPES)
+    assert json.loads((service.workdir / "residual" / "residual.json").read_text())["round"] == 1
+    # the residual is exactly what the codec did not send: update - decoded(sent)
+    sent = from_records(reply.content, keys.UPDATE, keys.UPDATE_META)
+    decoded = CodecStage(parse_codec(CODEC, error_feedback=True), layout=UpdateSpec.of(kept)).decode(
+        sent, RoundContext("f", 7, 1, "a", 99)).arrays
+    for k, v in update_for(1).items():
+        np.testing.assert_allclose(decoded[k] + kept[k], v, rtol=0, atol=1e-5)
+
+    # round 2 after a SuperNode restart: a new context; the residual comes from the store
+    reply, _ = run(app, new_context(service), 2)
+    assert reply.content.metric_records[keys.METRICS]["state_arrays_in"] == len(SHAPES)
+    assert json.loads((service.workdir / "residual" / "residual.json").read_text())["round"] == 2
+    assert len(list((service.workdir / "residual").glob("sovfl-residual-*"))) == 1  # the old file is gone
+
+    methods = [m for m, _ in service.calls]
+    assert "PutState" not in methods and methods.count("Train") == 2
+    trains = [req for m, req in service.calls if m == "Train"]
+    assert all("with_state" not in req for req in trains)  # the trainer is never asked for a residual
+    assert all(req["config"]["codec"] == CODEC and req["round"] in (1, 2) for req in trains)
+
+
+def test_in_process_federation_runs_the_real_round_with_the_mods(tmp_path):
+    """Two simulated sites with a codec: the coordinator's PlainRound decodes what their mods encoded,
+    and each site's residual store fills (benchmarks/_fedsim.py runs the same at scale)."""
+    model = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
+    trainers = [FunctionTrainer(lambda glob, cfg, s=s: ({k: v + s for k, v in update_for(cfg.round).items()}, {"loss": 0.5}),
+                                10 * (s + 1), tmp_path / f"site{s}") for s in range(2)]
+    sites = [InProcessSite(f"site{s}", s + 1, t, run_id=RUN_ID) for s, t in enumerate(trainers)]
+    with task_identity(RUN_ID):
+        coord = coordinator(tmp_path, model, sites, codec="int8", error_feedback=True, rounds=2)
+        lines = [coord.run_round(r) for r in (1, 2)]
+    assert [x["status"] for x in lines] == ["aggregated", "aggregated"]
+    assert [x["sites"]["site0"]["state_arrays_in"] for x in lines] == [0, len(SHAPES)]
+    assert all((tmp_path / f"site{s}" / "residual" / "residual.json").exists() for s in range(2))
+    assert all(x["sites"][f"site{s}"]["upload_bytes"] < x["sites"][f"site{s}"]["dense_bytes"] for x in lines for s in range(2))
