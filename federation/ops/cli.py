@@ -191,8 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("config")
     v.set_defaults(fn=cmd_validate)
 
-    s = _command(sub, "simulate", "run a whole federation on loopback with real processes", cmd_simulate,
-                 "where logs, checkpoints and metrics go (default: runs/NAME-TIME)")
+    _command(sub, "simulate", "run a whole federation on loopback with real processes", cmd_simulate,
+             "where logs, checkpoints and metrics go (default: runs/NAME-TIME)")
 
     pv = sub.add_parser("provision", help="create the federation CA and one key bundle per party")
     pv.add_argument("out_dir")

@@ -17,8 +17,7 @@ Which codecs compose with secure aggregation: `validate_for_protection` (compat.
 from .base import Arrays, CodecRound, Encoded, UpdateSpec
 from .bitpack import pack_bits, unpack_bits
 from .chain import Codec
-from .compat import SECAGG_CODECS, Protection, validate_for_protection
-from .errors import (
+from .codec_errors import (
     CodecConfigError,
     CodecError,
     CodecStateError,
@@ -37,6 +36,7 @@ from .errors import (
     TruncatedPayloadError,
     UpdateError,
 )
+from .compat import SECAGG_CODECS, Protection, validate_for_protection
 from .sparsify import shared_indices
 from .spec import CodecConfig, parse_codec, parse_codec_config
 

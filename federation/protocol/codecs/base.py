@@ -17,7 +17,7 @@ from typing import Mapping, Union
 
 import numpy as np
 
-from .errors import (
+from .codec_errors import (
     CodecConfigError,
     MetadataError,
     PayloadDTypeError,

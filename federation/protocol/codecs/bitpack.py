@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import (
+from .codec_errors import (
     IndexRangeError,
     MetadataError,
     PayloadLengthError,

@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING, Mapping
 import numpy as np
 
 from .base import Arrays, CodecRound, Encoded, MetaValue, UpdateSpec, meta_int, meta_str
-from .coders import Sparsifier, ValueCoder
-from .errors import (
+from .codec_errors import (
     CodecError,
     CodecStateError,
     MalformedPayloadError,
     MetadataError,
     PayloadFieldError,
 )
+from .coders import Sparsifier, ValueCoder
 
 if TYPE_CHECKING:
     from .spec import CodecConfig

@@ -12,7 +12,7 @@ from typing import Mapping
 import numpy as np
 
 from .base import Arrays, CodecRound, MetaValue, meta_int
-from .errors import MetadataError
+from .codec_errors import MetadataError
 
 
 class ValueCoder(ABC):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Literal
 
 from .chain import Codec
-from .errors import CodecConfigError, ProtectionConfigError
+from .codec_errors import CodecConfigError, ProtectionConfigError
 from .spec import CodecConfig, parse_codec_config
 
 Protection = Literal["none", "secagg", "sealed"]

@@ -15,8 +15,8 @@ from typing import Mapping
 import numpy as np
 
 from .base import Arrays, payload_array
+from .codec_errors import NonFiniteValueError
 from .coders import ValueCoder
-from .errors import NonFiniteValueError
 
 FP16_MAX = float(np.finfo(np.float16).max)
 

@@ -22,8 +22,8 @@ import numpy as np
 
 from .base import Arrays, payload_array
 from .bitpack import pack_int4, unpack_int4
+from .codec_errors import CodecConfigError, NonFiniteValueError, QuantizedRangeError, ScaleError
 from .coders import ValueCoder
-from .errors import CodecConfigError, NonFiniteValueError, QuantizedRangeError, ScaleError
 
 _TINY = float(np.finfo(np.float32).tiny)
 _DTYPES = {4: np.dtype(np.uint8), 8: np.dtype(np.int8), 16: np.dtype(np.int16)}

@@ -13,8 +13,8 @@ import numpy as np
 
 from .base import Arrays, CodecRound, MetaValue, meta_int, payload_array
 from .bitpack import MAX_RICE_R, packed_nbytes, rice_decode, rice_encode
+from .codec_errors import DuplicateIndexError, IndexOrderError, IndexRangeError, MetadataError
 from .coders import Sparsifier
-from .errors import DuplicateIndexError, IndexOrderError, IndexRangeError, MetadataError
 
 _RANDK_DOMAIN = 0x72616E646B  # "randk": separates this stream from any other use of the seed
 _INT32_MAX = 2**31 - 1

@@ -22,11 +22,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .chain import Codec
-from .errors import CodecConfigError
+from .codec_errors import CodecConfigError
+from .coders import Sparsifier, ValueCoder
 from .floats import Bf16Values, Float32Values, Fp16Values
 from .quantize import StochasticInt
 from .sparsify import RandK, TopK
-from .coders import Sparsifier, ValueCoder
 
 SparsifierName = Literal["none", "topk", "randk"]
 QuantizerName = Literal["float32", "fp16", "bf16", "int4", "int8", "int16"]
