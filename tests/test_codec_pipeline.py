@@ -72,7 +72,7 @@ def test_federation_with_topk_uplink_and_int8_downlink(tmp_path, marker):
         assert line["compression_ratio"] > 10
         for site in line["sites"].values():
             assert site["upload_bytes"] * 10 < site["dense_bytes"]
-    # the residual came back from the trainer service in round 2 (error feedback across rounds)
+    # the residual came back from the site store in round 2 (error feedback across rounds)
     assert [s["state_arrays_in"] for s in lines[0]["sites"].values()] == [0, 0]
     assert all(s["state_arrays_in"] > 0 for s in lines[1]["sites"].values())
     # downlink: round 1 trains on the full model and evaluates an int8 step; round 2 trains on the
