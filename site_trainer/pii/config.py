@@ -71,6 +71,9 @@ class PiiConfig(BaseModel):
                         "group sovereign_fl.pii_recognizers; factory(config) -> Detector | list[Detector]")
     workers: int | None = Field(None, ge=1, description="processes scrubbing in parallel; None: every core of the site")
     sample_per_entity: int = Field(20, ge=0, le=1000, description="redaction samples kept per entity in the report")
+    doc_timeout_s: float | None = Field(
+        600.0, gt=0, description="a document not scrubbed within this many seconds is dropped and reported "
+                                 "(never passed on unscrubbed); None: no limit")
 
     @field_validator("entities", mode="before")
     @classmethod

@@ -442,7 +442,7 @@ def build_detectors(config: "PiiConfig") -> list[Detector]:
     if ner:
         from .ner import load_ner
 
-        out.extend(load_ner(config.ner_model, tuple(ner), config.languages))
+        out.extend(load_ner(config.ner_model, tuple(ner)))
     for name in config.recognizers:
         made = _load_plugin(name)(config)
         made = [made] if isinstance(made, Detector) else list(made)
