@@ -265,14 +265,14 @@ def _phone_recognizer(regions: tuple[str, ...]):
     return SitePhoneRecognizer(supported_regions=regions, leniency=1)
 
 
-_WIDE_GAP = re.compile(r"\d\s{4,}\d|\n")
+_WIDE_GAP = re.compile(r"\d\s{4,}\d|\n|\.\.|--")
 
 
 class PhoneDetector(PresidioDetector):
     """`phonenumbers` (through Presidio) on the site's numbering plans. Refused: a lone `.` between
-    digits (a decimal: Presidio reports `0.333333333`), numbers of fewer than 7 digits and numbers
+    digits (a decimal: Presidio reports `0.333333333`), numbers of fewer than 7 digits, numbers
     spread over a line break or wide blanks (table columns): the trigger's contract, and nobody
-    writes a phone number so. A `+CC ` written before a national
+    writes a phone number so; ranges (`0..999999`, `(0-999999`) and unbalanced parentheses. A `+CC ` written before a national
     number in the `+33 (0)1 ...` style is masked with it."""
 
     defer = True
@@ -281,7 +281,7 @@ class PhoneDetector(PresidioDetector):
         s = text[start:end]
         if s.count(".") == 1 and not any(c in s for c in " -/()"):
             return True
-        if sum(c.isdigit() for c in s) < 7 or _WIDE_GAP.search(s):
+        if sum(c.isdigit() for c in s) < 7 or _WIDE_GAP.search(s) or s.count("(") != s.count(")"):
             return True
         return super().reject(text, start, end)
 
