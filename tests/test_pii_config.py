@@ -58,3 +58,18 @@ def test_config_and_metrics_import_without_presidio_or_torch():
             "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_scrubber_and_its_fingerprint_exist_before_presidio_loads(tmp_path):
+    """The text data path asks for the fingerprint (its cache key) before it knows whether anything
+    must be scrubbed; that must not cost Presidio's import. The fingerprint follows every setting
+    that changes the output."""
+    code = (f"import sys; from pathlib import Path; from site_trainer.pii import CorpusScrubber, PiiConfig\n"
+            f"fp = lambda **k: CorpusScrubber(PiiConfig(**k), cache_dir=Path({str(tmp_path)!r})).fingerprint\n"
+            f"prints = [fp(), fp(), fp(languages=['de']), fp(action='replace'), fp(entities=['IBAN_CODE']), "
+            f"fp(sample_per_entity=3)]\n"
+            f"assert prints[0] == prints[1] and len(set(prints)) == 5, prints\n"
+            f"bad = [m for m in ('presidio_analyzer', 'spacy', 'torch') if m in sys.modules]\n"
+            f"assert not bad, bad")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -63,7 +63,9 @@ class _Engine:
         self.timeout = config.doc_timeout_s
 
     def one(self, text: str | None, path: str, data: bytes | None = None) -> tuple[DocResult | None, bool, str | None]:
-        """(result, from_cache, error). `text` None: read `path`."""
+        """(result, from_cache, error). `text` None: read `path`. A detector that cannot load
+        raises (a configuration error for the whole run); a document that fails is an error."""
+        self.scrubber.load()
         try:
             if data is None:
                 data = Path(path).read_bytes() if text is None else text.encode("utf-8", "surrogatepass")
@@ -156,7 +158,7 @@ class CorpusScrubber:
         key = (surrogate_key(self.cache_dir, create=not dry_run)
                if config.action == "replace" and self.cache_dir is not None else None)
         self._engine = _Engine(config, key, self.cache_dir, dry_run)
-        self._key = self._engine.scrubber._surrogates.key if self._engine.scrubber._surrogates else None
+        self._key = self._engine.scrubber.surrogate_key
         self.fingerprint = self._engine.scrubber.fingerprint
         self.report = ScrubReport(site=site, fingerprint=self.fingerprint, entities=config.entities,
                                   action=config.action, dry_run=dry_run, workers=self.workers,
@@ -225,7 +227,7 @@ class CorpusScrubber:
                 progress(done[0], done[1])
 
         if size < self.inline_bytes or self.workers <= 1:
-            for path, text, n in [*head, *items]:
+            for path, text, n in _chain(head, items):
                 r, cached, err = self._engine.one(text, path)
                 if r is not None and out is not None:
                     _write_out(path, r.text, out)

@@ -78,7 +78,15 @@ class NerDetector(Detector):
         self.path, self.entities, self.kind = path, entities, kind
         self.entity = "+".join(entities)
         self.version = f"{kind}:{model_digest(path)}"
-        self._run = _spacy_runner(path) if kind == "spacy" else _hf_runner(path)
+        self._runner = None  # the model loads on first use: building a scrubber stays cheap
+
+    def load(self) -> None:
+        if self._runner is None:
+            self._runner = _spacy_runner(self.path) if self.kind == "spacy" else _hf_runner(self.path)
+
+    def _run(self, text: str):
+        self.load()
+        return self._runner(text)
 
     def fingerprint(self) -> str:
         return f"ner:{self.kind}:{','.join(self.entities)}:{self.version}"
@@ -100,8 +108,7 @@ def _spacy_runner(path: Path):
         nlp = spacy.load(path)
     except (OSError, ValueError) as e:
         raise NerModelError(f"ner_model {path}: spaCy cannot load it ({e})") from e
-    if "ner" not in nlp.pipe_names and "entity_ruler" not in nlp.pipe_names and not any(
-            "ner" in n or "ruler" in n for n in nlp.pipe_names):
+    if not any(n.endswith("ner") or "ruler" in n for n in nlp.pipe_names):
         raise NerModelError(f"ner_model {path}: the spaCy pipeline has no entity recognizer "
                             f"(components: {nlp.pipe_names})")
     return lambda text: [(e.start_char, e.end_char, e.label_, 0.85) for e in nlp(text).ents]

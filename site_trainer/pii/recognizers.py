@@ -73,6 +73,10 @@ class Detector(ABC):
     def find(self, text: str) -> list[Span]:
         """Spans of `entity` in `text`, offsets relative to `text`."""
 
+    def load(self) -> None:
+        """Heavy set-up (models, compiled patterns), called once before the first document; errors
+        here are configuration errors and stop the run."""
+
     def fingerprint(self) -> str:
         return f"{type(self).__module__}.{type(self).__qualname__}:{self.entity}:{self.version}:{self.trigger}"
 
@@ -96,17 +100,31 @@ def _glued(text: str, start: int, end: int, glue: str = ".,") -> bool:
 
 
 class PresidioDetector(Detector):
-    """A Presidio `EntityRecognizer` run on windows; `reject` adds corpus-specific guards."""
+    """A Presidio `EntityRecognizer` run on windows; `reject` adds corpus-specific guards.
 
-    def __init__(self, recognizer, entity: str, trigger: str | tuple[str, ...], *, rank: int = 0, glue: str | None = ".,",
-                 margin: int = 64):
-        self.recognizer = recognizer
+    `make` builds the recognizer on first use: a detector (and its fingerprint) exists without
+    importing Presidio, which loads spaCy, transformers and torch (seconds). `params` names the
+    settings that change results (phone regions) for the fingerprint."""
+
+    def __init__(self, make: Callable, entity: str, trigger: str | tuple[str, ...], *, rank: int = 0,
+                 glue: str | None = ".,", margin: int = 64, params: str = ""):
+        self._make, self._recognizer = make, None
         self.entity = entity
         self.trigger = trigger
         self.rank = rank
         self.margin = margin
         self.glue = glue  # None: no glued-number guard
-        self.version = f"{type(recognizer).__qualname__}/presidio-{version('presidio-analyzer')}"
+        name = getattr(make, "__name__", None) or getattr(getattr(make, "func", None), "__name__", "recognizer")
+        self.version = f"{name}/presidio-{version('presidio-analyzer')}/{params}/glue={glue}/margin={margin}"
+
+    @property
+    def recognizer(self):
+        if self._recognizer is None:
+            self._recognizer = self._make()
+        return self._recognizer
+
+    def load(self) -> None:
+        self.recognizer
 
     def reject(self, text: str, start: int, end: int) -> bool:
         return self.glue is not None and _glued(text, start, end, self.glue)
@@ -393,22 +411,21 @@ FAST_WITH_REGEX = frozenset({TRIGGERS["IBAN_CODE"], _DIGIT_RUN})
 
 
 def _builtin(config: "PiiConfig") -> dict[str, Callable[[], Detector]]:
-    """entity -> zero-argument factory of its built-in detector."""
-    t = TRIGGERS
+    """entity -> zero-argument factory of its built-in detector (recognizers load on first use)."""
+    t, regions = TRIGGERS, config.regions()
     return {
-        "EMAIL_ADDRESS": lambda: PresidioDetector(_email_recognizer(), "EMAIL_ADDRESS", t["EMAIL_ADDRESS"],
-                                                  rank=3, glue=None, margin=256),
-        "IBAN_CODE": lambda: PresidioDetector(_iban_recognizer(), "IBAN_CODE", t["IBAN_CODE"], rank=5),
-        "CREDIT_CARD": lambda: PresidioDetector(_card_recognizer(), "CREDIT_CARD", t["CREDIT_CARD"], rank=3),
-        "IP_ADDRESS": lambda: PresidioDetector(_ip_recognizer(), "IP_ADDRESS", t["IP_ADDRESS"], rank=2,
-                                               glue="."),
-        "PHONE_NUMBER": lambda: PhoneDetector(_phone_recognizer(config.regions()), "PHONE_NUMBER",
-                                              t["PHONE_NUMBER"], rank=1, margin=16),
-        "FR_NIR": lambda: PresidioDetector(_nir_recognizer(), "FR_NIR", t["FR_NIR"], rank=5),
-        "DE_TAX_ID": lambda: PresidioDetector(_de_tax_id_recognizer(), "DE_TAX_ID", t["DE_TAX_ID"], rank=4),
-        "DE_ID_CARD": lambda: PresidioDetector(_de_id_card_recognizer(), "DE_ID_CARD", t["DE_ID_CARD"], rank=4),
-        "IT_FISCAL_CODE": lambda: PresidioDetector(_it_fiscal_code_recognizer(), "IT_FISCAL_CODE",
-                                                   t["IT_FISCAL_CODE"], rank=4),
+        "EMAIL_ADDRESS": lambda: PresidioDetector(_email_recognizer, "EMAIL_ADDRESS", t["EMAIL_ADDRESS"], rank=3,
+                                                  glue=None, margin=256),
+        "IBAN_CODE": lambda: PresidioDetector(_iban_recognizer, "IBAN_CODE", t["IBAN_CODE"], rank=5),
+        "CREDIT_CARD": lambda: PresidioDetector(_card_recognizer, "CREDIT_CARD", t["CREDIT_CARD"], rank=3),
+        "IP_ADDRESS": lambda: PresidioDetector(_ip_recognizer, "IP_ADDRESS", t["IP_ADDRESS"], rank=2, glue="."),
+        "PHONE_NUMBER": lambda: PhoneDetector(functools.partial(_phone_recognizer, regions), "PHONE_NUMBER",
+                                              t["PHONE_NUMBER"], rank=1, margin=16, params=",".join(regions)),
+        "FR_NIR": lambda: PresidioDetector(_nir_recognizer, "FR_NIR", t["FR_NIR"], rank=5),
+        "DE_TAX_ID": lambda: PresidioDetector(_de_tax_id_recognizer, "DE_TAX_ID", t["DE_TAX_ID"], rank=4),
+        "DE_ID_CARD": lambda: PresidioDetector(_de_id_card_recognizer, "DE_ID_CARD", t["DE_ID_CARD"], rank=4),
+        "IT_FISCAL_CODE": lambda: PresidioDetector(_it_fiscal_code_recognizer, "IT_FISCAL_CODE", t["IT_FISCAL_CODE"],
+                                                   rank=4),
     }
 
 

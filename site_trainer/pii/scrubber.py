@@ -171,6 +171,7 @@ class Scrubber:
                 trig = _as_tuple(d.trigger)
                 self._compiled.setdefault(trig, [_compile(t) for t in trig])
         self._anonymizer = None
+        self._loaded = False
         self._surrogates = None
         if config.action == "replace":
             from .surrogates import Surrogates
@@ -190,6 +191,20 @@ class Scrubber:
             "samples": self.config.sample_per_entity,
         }
         return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:32]
+
+    @property
+    def surrogate_key(self) -> bytes | None:
+        """The key `replace` draws surrogates with (None for other actions): workers need the same."""
+        return self._surrogates.key if self._surrogates is not None else None
+
+    def load(self) -> "Scrubber":
+        """Load every recognizer and model now (Presidio's import takes seconds); a model that
+        cannot load raises here, before any document, rather than failing each one."""
+        if not self._loaded:
+            for d in self.detectors:
+                d.load()
+            self._loaded = True
+        return self
 
     # ---- analysis ---------------------------------------------------------------------------
     def analyze(self, text: str, *, prefilter: bool = True) -> list[Span]:
