@@ -8,7 +8,8 @@
 
 Workers are processes (regexes and phonenumbers hold the GIL) started by a forkserver that has
 imported Presidio once (its import pulls spaCy, transformers and torch: ~5 s), so no worker
-inherits the caller's threads (trainer ranks, gRPC) and none pays the import again. A document
+inherits the caller's threads (trainer ranks, gRPC) and none pays the import again. While they
+start, the calling process scrubs the first documents itself, then hands the rest over. A document
 that cannot be scrubbed (an exception, or slower than `doc_timeout_s`) is dropped and reported
 by path, never passed on unscrubbed.
 """
@@ -33,8 +34,9 @@ from .scrubber import DocResult, Scrubber
 
 BATCH_BYTES = 1 << 20  # per task sent to a worker
 BATCH_DOCS = 256
-# below this a run stays in the calling process (a pool costs seconds to start); tests lower it
-INLINE_BYTES = int(os.environ.get("SOVFL_PII_INLINE_BYTES", 2 << 20))
+# Below this a run stays in the calling process: a pool costs seconds to start (the forkserver
+# imports Presidio) and one core scrubs ~8 MB/s. Tests set 0 (the pool does everything).
+INLINE_BYTES = int(os.environ.get("SOVFL_PII_INLINE_BYTES", 16 << 20))
 _PRELOAD = ["presidio_analyzer", "presidio_anonymizer", "phonenumbers", "tldextract", "site_trainer.pii.scrubber"]
 
 
@@ -111,6 +113,10 @@ def _init_worker(config: PiiConfig, key: bytes | None, cache_root: Path | None, 
                            "deterministic?): refusing to mix their outputs")
 
 
+def _ready() -> bool:
+    return _ENGINE is not None
+
+
 def _run_batch(items: list[tuple[str, str | None]], keep_text: bool, out: tuple[str, str] | None):
     res = []
     for path, text in items:
@@ -165,6 +171,10 @@ class CorpusScrubber:
                                   sample_per_entity=config.sample_per_entity)
         self._t0 = time.perf_counter()
         self._pool: ProcessPoolExecutor | None = None
+        self._starter: threading.Thread | None = None
+        self._started = threading.Event()
+        self._pool_error: BaseException | None = None
+        self._closing = False
 
     # ---- one document, in this process (the text data path's transform) ---------------------
     def __call__(self, path: str, text: str) -> str | None:
@@ -212,32 +222,40 @@ class CorpusScrubber:
         return self.report.finish(time.perf_counter() - self._t0)
 
     def _run(self, items: Iterator[tuple[str, str | None, int]], *, keep_text: bool, out, progress):
+        """Inline below `inline_bytes`. Above: the worker pool starts in the background while this
+        process scrubs, and takes over once its workers are up (start-up costs no wall time).
+        `inline_bytes=0`: the pool does everything from the first document."""
         head, size = [], 0
-        for it in items:  # small inputs stay in this process: a pool takes seconds to start
+        for it in items:
             head.append(it)
             size += it[2]
             if size >= self.inline_bytes:
                 break
+        stream = _chain(head, items)
         done = [0, 0]
 
-        def tick(n: int) -> None:
+        def account(path: str, n: int, r, cached, err):
             done[0] += 1
             done[1] += n
             if progress is not None:
                 progress(done[0], done[1])
+            return path, self._account(path, r, cached, err)
 
-        if size < self.inline_bytes or self.workers <= 1:
-            for path, text, n in _chain(head, items):
-                r, cached, err = self._engine.one(text, path)
-                if r is not None and out is not None:
-                    _write_out(path, r.text, out)
-                tick(n)
-                yield path, self._account(path, r, cached, err)
+        if self.workers > 1 and size >= self.inline_bytes:
+            self._start_pool()
+        for path, text, n in stream:
+            if self._starter is not None and (self.inline_bytes == 0 or self._pool_ready()):
+                stream = _chain([(path, text, n)], stream)
+                break
+            r, cached, err = self._engine.one(text, path)
+            if r is not None and out is not None:
+                _write_out(path, r.text, out)
+            yield account(path, n, r, cached, err)
+        else:
             return
-        for batch, results in self._pooled(_batches(_chain(head, items)), keep_text, out):
+        for batch, results in self._pooled(_batches(stream), keep_text, out):
             for (path, _), (r, cached, err) in zip(batch, results):
-                tick(r.nbytes if r is not None else 0)
-                yield path, self._account(path, r, cached, err)
+                yield account(path, r.nbytes if r is not None else 0, r, cached, err)
 
     def _pooled(self, batches: Iterator[list], keep_text: bool, out):
         """(batch, results) in submission order; a batch whose worker died is retried once on a
@@ -267,26 +285,61 @@ class CorpusScrubber:
                 why = "worker process died" if isinstance(e, BrokenProcessPool) else "worker did not answer"
                 yield batch, [(None, False, f"{why} while scrubbing this batch twice: dropped")] * len(batch)
 
-    def _submit(self, batch, keep_text, out):
-        if self._pool is None:
+    def _start_pool(self) -> None:
+        """Start the worker pool in a thread: starting a forkserver worker blocks until the
+        forkserver has imported Presidio (seconds), and this process has documents to scrub."""
+        if self._starter is None:
+            self._started.clear()
+            self._closing = False
+            self._starter = threading.Thread(target=self._make_pool, name="pii-pool-start", daemon=True)
+            self._starter.start()
+
+    def _make_pool(self) -> None:
+        pool = None
+        try:
             ctx = multiprocessing.get_context("forkserver")
             ctx.set_forkserver_preload(_PRELOAD)
-            self._pool = ProcessPoolExecutor(
+            pool = ProcessPoolExecutor(
                 max_workers=self.workers, mp_context=ctx, initializer=_init_worker,
                 initargs=(self.config, self._key, self.cache_dir, self.dry_run, self.fingerprint))
+            self._pool = pool
+            for f in [pool.submit(_ready) for _ in range(self.workers)]:
+                f.result()
+        except BaseException as e:  # surfaced by _submit; the run goes on in this process until then
+            self._pool_error = e
+        finally:
+            self._started.set()
+            if self._closing and pool is not None:  # closed while starting: nobody will use it
+                pool.shutdown(wait=False, cancel_futures=True)
+
+    def _pool_ready(self) -> bool:
+        return self._started.is_set()
+
+    def _submit(self, batch, keep_text, out):
+        self._start_pool()
+        self._started.wait()
+        if self._pool is None:
+            raise RuntimeError(f"the scrubbing worker pool did not start: {self._pool_error!r}")
         return self._pool.submit(_run_batch, batch, keep_text, out)
 
     def _restart(self) -> None:
+        if self._starter is not None:
+            self._started.wait()
         if self._pool is not None:
-            for p in list(getattr(self._pool, "_processes", {}).values()):
+            for p in list((getattr(self._pool, "_processes", None) or {}).values()):
                 p.kill()
             self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        self._pool, self._starter = None, None
 
     def close(self) -> None:
+        """Stop the workers (a pool still starting is let finish starting first, within a deadline,
+        so that no half-started worker outlives this object)."""
+        self._closing = True
+        if self._starter is not None and not self._started.wait(120):
+            return  # still not up: _make_pool shuts it down once it is
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+        self._pool, self._starter = None, None
 
     def __enter__(self) -> "CorpusScrubber":
         return self
