@@ -68,6 +68,7 @@ def test_dry_run_writes_only_the_report(tmp_path):
     assert report.dry_run and report.counts["IBAN_CODE"] == 2
     assert not (tmp_path / "cache").exists() and not (tmp_path / "out").exists()
     assert sorted(p.name for p in (tmp_path / "report").iterdir()) == ["report.html", "report.json"]
+    assert {p.stat().st_mode & 0o777 for p in (tmp_path / "report").iterdir()} == {0o600}
 
 
 def test_report_holds_no_value_and_metrics_only_counts(tmp_path):

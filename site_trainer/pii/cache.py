@@ -38,7 +38,8 @@ def private_dir(path: Path) -> Path:
     return Path(path)
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def write_private(path: Path, data: bytes) -> None:
+    """Atomically write `data` to `path` as 0600, creating 0700 directories."""
     private_dir(path.parent)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
     try:
@@ -83,10 +84,10 @@ class ScrubCache:
         meta_p, text_p = self._paths(key)
         changed = res.text is not None and res.text != original
         if changed:
-            _atomic_write(text_p, res.text.encode("utf-8", "surrogatepass"))
+            write_private(text_p, res.text.encode("utf-8", "surrogatepass"))
         meta = {"v": ENTRY_VERSION, "nbytes": res.nbytes, "seconds": res.seconds, "dropped": res.dropped,
                 "changed": changed, "counts": dict(res.counts), "samples": [s.to_json() for s in res.samples]}
-        _atomic_write(meta_p, json.dumps(meta, ensure_ascii=False).encode("utf-8"))
+        write_private(meta_p, json.dumps(meta, ensure_ascii=False).encode("utf-8"))
 
 
 def surrogate_key(root: Path, create: bool = True) -> bytes | None:

@@ -107,13 +107,12 @@ class ScrubReport:
         }
 
     def write(self, out_dir: Path) -> tuple[Path, Path]:
-        """report.json and report.html in out_dir (created 0700: this stays on the site)."""
-        from .cache import private_dir
+        """report.json and report.html in out_dir (0700 directory, 0600 files: this stays on the site)."""
+        from .cache import write_private
 
-        private_dir(out_dir)
         j, h = out_dir / "report.json", out_dir / "report.html"
-        j.write_text(json.dumps(self.to_json(), indent=1, ensure_ascii=False))
-        h.write_text(render_html(self))
+        write_private(j, json.dumps(self.to_json(), indent=1, ensure_ascii=False).encode())
+        write_private(h, render_html(self).encode())
         return j, h
 
 

@@ -23,7 +23,7 @@ from importlib.metadata import version
 from .config import PiiConfig
 from .recognizers import FAST_WITH_REGEX, Detector, Span, build_detectors, detectors_fingerprint
 
-SCRUBBER_VERSION = "1"
+SCRUBBER_VERSION = "1"  # bump whenever detection or output changes: it is in every fingerprint
 _SNAP = 64  # how far a window edge moves outwards to reach whitespace
 CONTEXT_CHARS = 40  # redacted context on each side of a sample
 
