@@ -81,3 +81,14 @@ def test_id_generators_agree_with_presidio():
         assert tax.validate_result(t) is True and card.validate_result(c) is True
         assert tax.validate_result(t[:-1] + str((int(t[-1]) + 1) % 10)) is False
         assert card.validate_result(c[:-1] + str((int(c[-1]) + 1) % 10)) is False
+
+
+def test_overlaps_go_to_the_stronger_finding():
+    from site_trainer.pii.recognizers import Span
+    from site_trainer.pii.scrubber import covered, resolve
+
+    ranks = {"IBAN_CODE": 5, "CREDIT_CARD": 3, "PHONE_NUMBER": 1}
+    spans = [Span(0, 10, "PHONE_NUMBER", 0.4), Span(2, 20, "CREDIT_CARD", 1.0), Span(2, 20, "IBAN_CODE", 1.0),
+             Span(18, 30, "PHONE_NUMBER", 0.4), Span(30, 35, "PHONE_NUMBER", 0.4), Span(31, 33, "CREDIT_CARD", 0.4)]
+    assert resolve(spans, ranks) == [Span(2, 20, "IBAN_CODE", 1.0), Span(30, 35, "PHONE_NUMBER", 0.4)]
+    assert covered([(3, 9), (0, 3), (19, 25), (40, 41)], spans) == [True, True, True, False]

@@ -11,6 +11,7 @@ span touching a window's edge is re-run on a wider window: results equal whole-d
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import re
@@ -73,11 +74,30 @@ def resolve(spans: list[Span], ranks: dict[str, int]) -> list[Span]:
     """Non-overlapping spans, sorted by start: higher score, then the more selective entity, then
     the longer span wins an overlap."""
     best = sorted(spans, key=lambda s: (-s.score, -ranks.get(s.entity, 0), -(s.end - s.start), s.start))
-    taken: list[Span] = []
+    starts: list[int] = []
+    taken: list[Span] = []  # sorted by start, disjoint
     for s in best:
-        if all(s.end <= t.start or s.start >= t.end for t in taken):
-            taken.append(s)
-    return sorted(taken)
+        i = bisect.bisect_left(starts, s.start)
+        if (i > 0 and taken[i - 1].end > s.start) or (i < len(taken) and taken[i].start < s.end):
+            continue
+        starts.insert(i, s.start)
+        taken.insert(i, s)
+    return taken
+
+
+def covered(hits: list[tuple[int, int]], spans: list[Span]) -> list[bool]:
+    """For each hit, whether one span contains it (spans may overlap)."""
+    ordered = sorted(spans)
+    starts = [s.start for s in ordered]
+    reach, m = [], -1
+    for s in ordered:  # furthest end among spans starting at or before each one
+        m = max(m, s.end)
+        reach.append(m)
+    out = []
+    for a, b in hits:
+        i = bisect.bisect_right(starts, a) - 1
+        out.append(i >= 0 and reach[i] >= b)
+    return out
 
 
 def shape(value: str) -> str:
@@ -85,14 +105,18 @@ def shape(value: str) -> str:
     return "".join("9" if c.isdigit() else ("X" if c.isupper() else "x") if c.isalpha() else c for c in value)
 
 
-def redacted_context(text: str, spans: Sequence[Span], i: int, width: int = CONTEXT_CHARS) -> tuple[str, str]:
-    """The text around spans[i] with every finding in it replaced by <ENTITY>: no original value."""
+def redacted_context(text: str, spans: Sequence[Span], i: int, width: int = CONTEXT_CHARS,
+                     starts: Sequence[int] | None = None) -> tuple[str, str]:
+    """The text around spans[i] with every finding in it replaced by <ENTITY>: no original value.
+    `spans` are sorted by start and disjoint (resolve's output); `starts` their starts, if known."""
     s = spans[i]
     lo, hi = max(0, s.start - width), min(len(text), s.end + width)
+    starts = [t.start for t in spans] if starts is None else starts
+    near = spans[max(0, bisect.bisect_left(starts, lo) - 1):bisect.bisect_right(starts, hi)]
 
     def render(a: int, b: int) -> str:
         parts, pos = [], a
-        for t in spans:
+        for t in near:
             if t.end <= a or t.start >= b:
                 continue
             parts.append(text[pos:max(pos, t.start)])
@@ -105,9 +129,9 @@ def redacted_context(text: str, spans: Sequence[Span], i: int, width: int = CONT
     before = render(lo, s.start)
     after = render(s.end, hi)
     # a finding cut by the context edge must not leave a fragment of its value
-    if any(t.start < lo < t.end for t in spans):
+    if any(t.start < lo < t.end for t in near):
         before = before.split(">", 1)[-1] if ">" in before else ""
-    if any(t.start < hi < t.end for t in spans):
+    if any(t.start < hi < t.end for t in near):
         after = after.rsplit("<", 1)[0]
     return before, after
 
@@ -222,7 +246,7 @@ class Scrubber:
                 hits = sorted(m.span() for r in self._compiled[trig] for m in r.finditer(text))
                 hits_of[trig] = hits
             if d.defer and spans:
-                hits = [h for h in hits if not any(s.start <= h[0] and h[1] <= s.end for s in spans)]
+                hits = [h for h, c in zip(hits, covered(hits, spans)) if not c]
             for ws, we in windows(text, hits, d.margin):
                 spans.extend(self._find_in_window(d, text, ws, we, d.margin))
         return resolve(spans, self._ranks)
@@ -278,13 +302,14 @@ class Scrubber:
             (int.from_bytes(hashlib.blake2b(f"{key}:{i}".encode(), digest_size=8).digest(), "big"), i)
             for i in range(len(spans)))
         per: Counter = Counter()
+        starts = [s.start for s in spans]
         out = []
         for prio, i in ranked:
             s = spans[i]
             if per[s.entity] >= k:
                 continue
             per[s.entity] += 1
-            before, after = redacted_context(text, spans, i)
+            before, after = redacted_context(text, spans, i, starts=starts)
             out.append(Sample(entity=s.entity, line=text.count("\n", 0, s.start) + 1, before=before, after=after,
                               shape=shape(text[s.start:s.end]), length=s.end - s.start, score=round(s.score, 3),
                               priority=prio))
