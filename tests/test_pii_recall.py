@@ -90,5 +90,6 @@ def test_overlaps_go_to_the_stronger_finding():
     ranks = {"IBAN_CODE": 5, "CREDIT_CARD": 3, "PHONE_NUMBER": 1}
     spans = [Span(0, 10, "PHONE_NUMBER", 0.4), Span(2, 20, "CREDIT_CARD", 1.0), Span(2, 20, "IBAN_CODE", 1.0),
              Span(18, 30, "PHONE_NUMBER", 0.4), Span(30, 35, "PHONE_NUMBER", 0.4), Span(31, 33, "CREDIT_CARD", 0.4)]
-    assert resolve(spans, ranks) == [Span(2, 20, "IBAN_CODE", 1.0), Span(30, 35, "PHONE_NUMBER", 0.4)]
+    # equal scores: the more selective entity wins, even when shorter
+    assert resolve(spans, ranks) == [Span(2, 20, "IBAN_CODE", 1.0), Span(31, 33, "CREDIT_CARD", 0.4)]
     assert covered([(3, 9), (0, 3), (19, 25), (40, 41)], spans) == [True, True, True, False]
