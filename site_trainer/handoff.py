@@ -157,8 +157,20 @@ class Reader(_File, Mapping):
     def __getitem__(self, name: str) -> np.ndarray:
         e = self._entries[name]
         out = np.empty(e.shape, dtype=e.dtype)
-        self._io(lambda fd, view, offset: os.preadv(fd, [view], offset), name, out)
+        self.read_into(name, out)
         return out
+
+    def read_into(self, name: str, out: np.ndarray) -> None:
+        """Read array `name` into `out` (C-contiguous, of the entry's dtype and shape): no allocation,
+        so rank 0 reads straight into a parameter or a pinned staging buffer."""
+        e = self._entries[name]
+        if out.dtype.str != e.dtype or out.shape != e.shape or not out.flags.c_contiguous:
+            raise ValueError(f"hand-off entry {name}: cannot read {e.dtype}{e.shape} into "
+                             f"{out.dtype.str}{out.shape}{'' if out.flags.c_contiguous else ' (not contiguous)'}")
+        self._io(lambda fd, view, offset: os.preadv(fd, [view], offset), name, out)
+
+    def handle_entry(self, name: str) -> Entry:
+        return self._entries[name]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._entries)

@@ -15,7 +15,7 @@ from site_trainer.config import SiteConfig, TrainerConfig, WorkloadConfig
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("svc")
-    wl = WorkloadConfig(name="digits", hidden=16)
+    wl = WorkloadConfig(task="digits", options={"hidden": 16})
     cfg = TrainerConfig(site=SiteConfig(id="s", ranks=2, partition=0, local_steps=3, batch_size=8, grad_accum=2),
                         workload=wl, num_partitions=2, socket=str(tmp / "s.sock"), workdir=str(tmp / "s"))
     path = tmp / "trainer.json"
@@ -63,6 +63,11 @@ def test_weights_update_kind_returns_trained_weights(service):
     cfg, init = service
     w = _update(_call(cfg, "Train", init, round=2, config={"update_kind": "weights"}))
     assert any(not np.allclose(w[k], init[k]) for k in init)
+    # weights, not a delta: a few small steps leave them near where they started, whereas a delta
+    # (near zero) would be about the whole model away from the global weights
+    moved = np.sqrt(sum(float(((w[k] - init[k]) ** 2).sum()) for k in init))
+    size = np.sqrt(sum(float((init[k] ** 2).sum()) for k in init))
+    assert 0 < moved < 0.5 * size, (moved, size)
 
 
 @pytest.mark.parametrize("mutate,needle", [

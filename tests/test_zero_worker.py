@@ -1,4 +1,4 @@
-"""Worker for tests/test_zero.py, run under torchrun: trains `LocalTrainer` under each strategy.
+"""Worker for tests/test_zero.py, run under torchrun: trains `LocalTrainer` under each parallelism.
 
 Not a test module itself (no tests here): `python -m torch.distributed.run ... tests/test_zero_worker.py
 OUT.npz WORKDIR` runs every case once per launch, so the whole comparison costs one process-group start.
@@ -17,12 +17,13 @@ from site_trainer.config import SiteConfig, TrainerConfig, WorkloadConfig
 from site_trainer.local_trainer import LocalTrainer
 from site_trainer.workloads import initial_weights
 
-SLM = WorkloadConfig(name="slm", n_layer=2, n_head=2, n_embd=16, block_size=16, corpus_bytes_per_site=20_000)
-DIGITS = WorkloadConfig(name="digits", hidden=16)
+SLM = WorkloadConfig(task="slm", options={"n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 16,
+                                          "corpus_bytes_per_site": 20_000})
+DIGITS = WorkloadConfig(task="digits", options={"hidden": 16})
 
 
 def trainer(wl: WorkloadConfig, strategy: str, workdir: str = "/nonexistent", **site) -> LocalTrainer:
-    s = {"id": "t", "ranks": 2, "partition": 0, "batch_size": 4, "grad_accum": 2, "strategy": strategy, **site}
+    s = {"id": "t", "ranks": 2, "partition": 0, "batch_size": 4, "grad_accum": 2, "parallelism": strategy, **site}
     cfg = TrainerConfig(site=SiteConfig(**s), workload=wl, num_partitions=2, socket="/nonexistent", workdir=workdir)
     t = LocalTrainer(cfg)
     t.load_global(initial_weights(wl, 0) if t.rank == 0 else None)
@@ -33,7 +34,7 @@ def fixed_batches(t: LocalTrainer, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """n samples of this rank's data, the same for every strategy (a fixed generator)."""
     g = torch.Generator().manual_seed(100 + t.rank)
     pick = t.train_idx[torch.randint(len(t.train_idx), (n,), generator=g)]
-    return t.data.train_x[pick], t.data.train_y[pick]
+    return t.data.train.take(pick)
 
 
 def main(out_path: str, workdir: str) -> None:
