@@ -77,6 +77,7 @@ class LocalTrainer:
         torch.manual_seed(cfg.seed)
         self.data = self.task.build_data()
         self.module, self.model, exchanged, frozen = self._build_model(sharded)
+        self.replicated = strategies.replicated_params(self.module) if sharded else []
         groups = strategies.param_groups(self.module.named_parameters(), s.weight_decay)
         self.optimizer = strategies.make_optimizer(groups, s.optimizer, s.lr, host_memory.long_lived)
         n_val = len(self.data.val) if self.data.val is not None else 0
@@ -205,6 +206,8 @@ class LocalTrainer:
                 (loss.float() / k).backward()
             total[0] += loss.detach().double() * n
             total[1] += n
+        if self.replicated:
+            strategies.average_grads(self.replicated)
         self._set_lr()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

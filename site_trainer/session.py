@@ -212,7 +212,7 @@ def _wire_read(source: Mapping[str, np.ndarray]):
         else:
             dst = torch.from_numpy(out)
             raw = {np.dtype("<u2"): torch.bfloat16}.get(out.dtype)
-            (dst.view(raw) if raw is not None else dst).copy_(torch.from_numpy(np.ascontiguousarray(arr)))
+            (dst.view(raw) if raw is not None else dst).copy_(torch.as_tensor(arr))
     return read
 
 

@@ -177,10 +177,28 @@ def wrap(module: nn.Module, strategy: str, dtype: torch.dtype | None, activation
 
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype) if dtype is not None else MixedPrecisionPolicy()
     reshard = strategy == "zero3"
+    ignored = set(replicated_params(module)) or None
     for block in blocks:
-        fully_shard(block, reshard_after_forward=reshard, mp_policy=mp)
-    fully_shard(module, reshard_after_forward=reshard, mp_policy=mp)
+        fully_shard(block, reshard_after_forward=reshard, mp_policy=mp, ignored_params=ignored)
+    fully_shard(module, reshard_after_forward=reshard, mp_policy=mp, ignored_params=ignored)
     return module
+
+
+def replicated_params(module: nn.Module) -> list[nn.Parameter]:
+    """Parameters ZeRO leaves whole on every rank: 0-dim ones (FSDP2 cannot shard a scalar). Their
+    gradients are averaged by `average_grads` instead of FSDP's reduce-scatter."""
+    return [p for p in module.parameters() if p.dim() == 0]
+
+
+def average_grads(params: Sequence[nn.Parameter]) -> None:
+    """Collective: average the gradients of `params` over all ranks (what DDP/FSDP do for the rest)."""
+    world = dist.get_world_size()
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)  # unused here: every rank still joins the reduction
+        if world > 1:
+            dist.all_reduce(p.grad)
+            p.grad.div_(world)
 
 
 def _reduce_in(dtype: torch.dtype):
