@@ -7,7 +7,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from site_trainer import handoff, layout, workloads
 from site_trainer.config import SiteConfig, TrainerConfig, WorkloadConfig
@@ -19,12 +18,8 @@ TOY = "user_tasks:Toy"
 
 
 @pytest.fixture
-def group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+def group(single_rank_group):
+    yield
 
 
 def _cfg(tmp_path, **options) -> TrainerConfig:

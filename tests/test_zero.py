@@ -98,15 +98,6 @@ def test_resume_from_local_checkpoint_continues_bit_identically(results, strateg
         np.testing.assert_array_equal(ref[k], resumed[k])
 
 
-@pytest.fixture
-def single_rank_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def test_zero_on_a_backend_without_sharded_collectives_is_a_clear_error(single_rank_group, monkeypatch):
     def unsupported(*args, **kwargs):
         raise RuntimeError("ProcessGroupGloo does not support reduce_scatter")
