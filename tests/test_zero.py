@@ -98,6 +98,23 @@ def test_resume_from_local_checkpoint_continues_bit_identically(results, strateg
         np.testing.assert_array_equal(ref[k], resumed[k])
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3"])
+def test_lr_schedule_and_weight_decay_survive_a_local_checkpoint(results, strategy):
+    ref, resumed = results(f"sched-uninterrupted-{strategy}"), results(f"sched-resumed-{strategy}")
+    for k in ref:
+        np.testing.assert_array_equal(ref[k], resumed[k])
+    lrs = results.raw[f"sched-lr-{strategy}"]
+    # step 3 of 6: past the 2 warm-up steps, a quarter into the cosine, where the resumed trainer is too
+    assert lrs[0] == lrs[1] == strategies.lr_at(3, 1e-2, 2, "cosine", 6, 0.0) < 1e-2
+
+
+def test_lr_schedule_values():
+    lr = lambda step: strategies.lr_at(step, 1.0, 2, "cosine", 10, 0.1)  # noqa: E731
+    assert [lr(0), lr(1), lr(2)] == [0.5, 1.0, 1.0]  # linear warm-up, then the cosine starts at lr
+    assert lr(6) == pytest.approx(0.55) and lr(10) == pytest.approx(0.1) and lr(50) == pytest.approx(0.1)
+    assert strategies.lr_at(7, 1.0, 0, "constant", 10, 0.0) == 1.0
+
+
 def test_zero_on_a_backend_without_sharded_collectives_is_a_clear_error(single_rank_group, monkeypatch):
     def unsupported(*args, **kwargs):
         raise RuntimeError("ProcessGroupGloo does not support reduce_scatter")
