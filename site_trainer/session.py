@@ -79,7 +79,9 @@ class StateHook(Protocol):
 
 # ---- process group ----------------------------------------------------------------------------
 
-def config_from_env() -> TrainerConfig:
+def site_config() -> TrainerConfig:
+    """This site's trainer configuration (options, partition, ...), from $SOVFL_TRAINER_CONFIG: what a
+    script reads before it builds its model and data."""
     path = os.environ.get(ENV_CONFIG)
     if not path:
         raise SessionError(f"no trainer configuration: ${ENV_CONFIG} is not set. Start the script through sovfl "
@@ -690,7 +692,7 @@ def connect(model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
     The configuration comes from $SOVFL_TRAINER_CONFIG (set when sovfl starts the script); the
     process group is joined here unless the script did it already.
     """
-    cfg = config or config_from_env()
+    cfg = config or site_config()
     if not dist.is_initialized():
         init_process_group(cfg, int(os.environ.get(ENV_NODE_RANK, "0")))
     if dist.get_world_size() != cfg.site.world_size:
