@@ -13,8 +13,8 @@ Cheap on purpose, because the hand-off sits between every two rounds:
   overlaps the copy and the broadcast); finiteness is checked as each tensor arrives (one
   min/max reduction on the tensor's device, flags read once at the end), not in a second pass;
 - out: on a GPU each tensor is copied to pinned memory asynchronously; hashing and rank 0's
-  writing run on a worker thread (hashlib, numpy and pwrite release the GIL), overlapping the
-  next tensor's all-gather and copy.
+  packing (delta, write) run on two worker threads (hashlib, numpy and pwrite release the GIL),
+  side by side and overlapping the next tensor's all-gather and copy.
 """
 
 from __future__ import annotations
@@ -148,30 +148,41 @@ def stream_out(entries: Sequence[Entry], visit: Callable[[str, torch.Tensor], No
     """
     h = hashlib.sha256()
     staging = _Staging(device)
-    pending: list[Future] = []
+    pending: list[list[Future]] = []
+
+    def landed(copied: torch.cuda.Event | None) -> None:
+        if copied is not None:
+            copied.synchronize()  # the asynchronous device-to-host copy is complete
+
+    def digest(host: torch.Tensor, copied: torch.cuda.Event | None) -> None:
+        landed(copied)
+        h.update(layout.to_wire(host).reshape(-1).view(np.uint8))
 
     def consume(name: str, host: torch.Tensor, copied: torch.cuda.Event | None) -> None:
-        if copied is not None:
-            copied.synchronize()  # the asynchronous device-to-host copy has landed
-        h.update(layout.to_wire(host).reshape(-1).view(np.uint8))
-        if visit is not None:
-            visit(name, host)
+        landed(copied)
+        visit(name, host)
 
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="sovfl-out") as worker:
+    # Hashing and rank 0's packing read the same host tensor on two threads (both release the GIL).
+    with ThreadPoolExecutor(1, "sovfl-hash") as hasher, ThreadPoolExecutor(1, "sovfl-pack") as packer:
         for name, t in entries:
             full = (t.full_tensor() if isinstance(t, DTensor) else t).detach()
             if len(pending) == 2:  # at most two tensors in flight: one being consumed, one queued
-                pending.pop(0).result()
+                for fut in pending.pop(0):
+                    fut.result()
             copied = None
             if full.device.type == "cpu":
                 host = full.contiguous()
-            else:  # the buffer is free: its last consumer finished above
+            else:  # the buffer is free: its last consumers finished above
                 j, raw = staging.take(full.numel() * full.element_size())
                 host = _as_dtype(raw, full.dtype, full.shape)
                 host.copy_(full, non_blocking=True)
                 copied = staging.mark(j)
-            pending.append(worker.submit(consume, name, host, copied))
+            futs = [hasher.submit(digest, host, copied)]
+            if visit is not None:
+                futs.append(packer.submit(consume, name, host, copied))
+            pending.append(futs)
             del full
-        for fut in pending:
-            fut.result()
+        for futs in pending:
+            for fut in futs:
+                fut.result()
     return h.hexdigest()[:16]
