@@ -136,3 +136,32 @@ def test_builtins_are_ordinary_tasks_found_by_entry_point():
         assert loss.dim() == 0 and torch.isfinite(loss)
         ev = task.evaluate(model, data.val.take(torch.arange(3)))
         assert ev["examples"] == 3 and float(ev["loss"].detach()) > 0
+
+
+def test_readme_task_is_complete(tmp_path, monkeypatch):
+    """The declarative task of README.md's "Train your own model" runs as printed."""
+    import re
+    import sys
+    import types
+
+    import numpy as np
+
+    from conftest import ROOT
+
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Train your own model"):]
+    code = re.search(r"```python\n(# mypkg/tasks.py\n.*?)```", section, re.S).group(1)
+    module = types.ModuleType("readme_tasks")
+    exec(compile(code, "README.md", "exec"), module.__dict__)  # noqa: S102 - our own README
+    monkeypatch.setitem(sys.modules, "readme_tasks", module)
+    z = tmp_path / "legal.npz"
+    rng = np.random.default_rng(0)
+    np.savez(z, x=rng.normal(size=(50, 300)).astype(np.float32), y=rng.integers(0, 4, size=50))
+    wl = WorkloadConfig(task="readme_tasks:Legal", options={"data": str(z), "hidden": 16})
+    task = workload_loader.build_task(wl, TaskContext(role="site"))
+    data = task.build_data()
+    assert (len(data.train), len(data.val)) == (45, 5)
+    loss = task.loss(task.build_model(), data.train.take(torch.arange(8)))
+    assert torch.isfinite(loss)
+    code_lines = [ln for ln in code.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    assert len(code_lines) <= 35  # "a complete declarative task of about 30 lines"
