@@ -9,8 +9,8 @@ flight (at most two).
 
 Cheap on purpose, because the hand-off sits between every two rounds:
 - in: rank 0 reads each tensor straight into its destination (on the CPU, the parameter itself;
-  on a GPU, a pinned staging buffer copied asynchronously, double-buffered so the next read
-  overlaps the copy and the broadcast); finiteness is checked as each tensor arrives (one
+  on a GPU, a pinned staging buffer copied asynchronously, double-buffered) while the previous
+  tensor's broadcast is still travelling; finiteness is checked as each tensor arrives (one
   min/max reduction on the tensor's device, flags read once at the end), not in a second pass;
 - out: on a GPU each tensor is copied to pinned memory asynchronously; hashing and rank 0's
   packing (delta, write) run on two worker threads (hashlib, numpy and pwrite release the GIL),
@@ -101,6 +101,13 @@ def stream_in(entries: Sequence[Entry], read: ReadInto | None, device: torch.dev
     staging = _Staging(device)
     flags = torch.zeros(len(entries), dtype=torch.bool, device=device) if rank == 0 and check_finite else None
     unreadable: dict[str, str] = {}
+    in_flight: list[tuple[dist.Work | None, torch.Tensor, torch.Tensor]] = []
+
+    def finish(work: dist.Work | None, target: torch.Tensor, full: torch.Tensor) -> None:
+        if work is not None:
+            work.wait()
+        _keep(target, full)
+
     for i, (name, t) in enumerate(entries):
         dtype, shape = t.dtype, tuple(t.shape)
         direct = not isinstance(t, DTensor) and t.device == device and t.is_contiguous()
@@ -121,10 +128,14 @@ def stream_in(entries: Sequence[Entry], read: ReadInto | None, device: torch.dev
             if flags is not None and dest.numel():
                 lo, hi = torch.aminmax(dest)
                 flags[i] = ~(torch.isfinite(lo) & torch.isfinite(hi))
-        if world > 1:
-            dist.broadcast(dest, src=0)
-        _keep(t, dest)
-        del dest  # freed before the next tensor is allocated
+        # asynchronous: rank 0 reads the next tensor while this one travels (at most two in flight)
+        in_flight.append((dist.broadcast(dest, src=0, async_op=True) if world > 1 else None, t, dest))
+        if len(in_flight) == 2:
+            finish(*in_flight.pop(0))
+        del dest
+    for item in in_flight:
+        finish(*item)
+    in_flight.clear()
     bad: list = [None]
     if rank == 0:
         if flags is not None:
