@@ -100,8 +100,8 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, strategy: 
 
 
 def _workload(args: argparse.Namespace) -> WorkloadConfig:
-    return WorkloadConfig(task="slm", options={"n_layer": args.layers, "n_head": 8, "n_embd": args.embd, "block_size": 16,
-                                               "corpus_bytes_per_site": 10_000})
+    return WorkloadConfig(task="slm", options={"n_layer": args.layers, "n_head": 8, "n_embd": args.embd,
+                                               "block_size": 16, "corpus_bytes_per_site": 10_000})
 
 
 def _tiny(args: argparse.Namespace) -> WorkloadConfig:

@@ -131,7 +131,8 @@ class Layout:
                 raise LayoutError(f"exchanged tensor {name!r} is {dtype_name(t.dtype)}: only floating-point tensors "
                                   "travel; integer buffers (counters, position ids) stay on the site")
             if t.is_complex():
-                raise LayoutError(f"exchanged tensor {name!r} is complex ({dtype_name(t.dtype)}): not supported on the wire")
+                raise LayoutError(f"exchanged tensor {name!r} is complex ({dtype_name(t.dtype)}): "
+                                  "not supported on the wire")
             if id(t) in taken:
                 continue  # a tied alias named again: it travels once
             taken.add(id(t))

@@ -46,6 +46,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from site_trainer import endpoint, handoff, layout, local_checkpoint, strategies, transfer
 from site_trainer.config import SiteConfig, TrainerConfig
@@ -287,7 +288,7 @@ class Session:
         with torch.no_grad():
             for name in self.layout.frozen:
                 t = tensors[name]
-                full = t.full_tensor() if isinstance(t, torch.distributed.tensor.DTensor) else t
+                full = t.full_tensor() if isinstance(t, DTensor) else t
                 if self.rank == 0:
                     digest.update(name, full)
         return digest

@@ -114,7 +114,8 @@ def validate_options(cls: type[Task], options: dict[str, Any], where: str, label
             loc = ".".join(str(p) for p in e["loc"])
             msg = e["msg"].removeprefix("Value error, ")
             problems.append(f"{where}{'.' + loc if loc else ''}: {msg}")
-        raise WorkloadError("; ".join(problems) + f" (task {label}, options model {cls.__qualname__}.Options)") from None
+        raise WorkloadError("; ".join(problems) + f" (task {label}, options model {cls.__qualname__}.Options)"
+                            ) from None
 
 
 def model_factory(ref: str) -> Callable[[dict[str, Any]], nn.Module]:

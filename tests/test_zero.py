@@ -122,7 +122,8 @@ def test_zero_on_a_backend_without_sharded_collectives_is_a_clear_error(single_r
     monkeypatch.setattr(dist, "reduce_scatter_single", unsupported, raising=False)
     monkeypatch.setattr(dist, "reduce_scatter_tensor", unsupported)
     strategies.check_supported("ddp", "gloo", torch.device("cpu"))  # ddp needs none of it
-    with pytest.raises(strategies.StrategyUnavailable, match=r"parallelism 'zero3' needs reduce-scatter.*use parallelism 'ddp'"):
+    with pytest.raises(strategies.StrategyUnavailable,
+                       match=r"parallelism 'zero3' needs reduce-scatter.*use parallelism 'ddp'"):
         strategies.check_supported("zero3", "gloo", torch.device("cpu"))
 
 
