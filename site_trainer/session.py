@@ -545,48 +545,60 @@ class Session:
         req, self._current = self._current, None
         if req is None:
             return
-        if not rnd.reported:
-            req.answer({"ok": False, "error": f"site {self.site}: round {rnd.number} ended without report(); "
-                                              "the training loop must call rnd.report(...) on every rank"})
+        why = "failed in report()" if rnd.reported else \
+            "ended without report(); the training loop must call rnd.report(...) on every rank"
+        req.answer({"ok": False, "error": f"site {self.site}: round {rnd.number} {why}"})  # if still unanswered
         req.close()
         if not rnd.reported and not closing:
             raise SessionError(f"round {rnd.number} ({rnd.kind}) ended without rnd.report(...); call it once per "
                                "round, on every rank, before taking the next round")
 
     # ---- all ranks: the end of a round -------------------------------------------------------
-    def _combine(self, num_examples: int, loss, metrics: dict) -> tuple[int, dict[str, float]]:
-        """Collective: examples summed over ranks; loss and metrics averaged weighted by examples."""
-        if isinstance(num_examples, bool) or not isinstance(num_examples, (int, np.integer)) or num_examples < 0:
-            raise SessionError(f"report(num_examples={num_examples!r}): give this rank's example count, an int >= 0")
+    def _combine(self, num_examples: int, loss, metrics: dict, need_loss: bool = False
+                 ) -> tuple[int, dict[str, float]]:
+        """Collective: examples summed over ranks; loss and metrics averaged weighted by examples.
+
+        Every rank first shares whether its report is usable (and its metric names), so that a bad
+        report on one rank raises the same SessionError on every rank instead of leaving the others
+        waiting in the reduction."""
         values = {**({"loss": loss} if loss is not None else {}), **metrics}
         keys = sorted(values)
+        problem, parts = None, []
+        if isinstance(num_examples, bool) or not isinstance(num_examples, (int, np.integer)) or num_examples < 0:
+            problem = f"report(num_examples={num_examples!r}): give this rank's example count, an int >= 0"
+        elif need_loss and loss is None:
+            problem = "an evaluation round must report loss=... (the coordinator averages eval_loss)"
+        else:
+            n = torch.tensor(float(num_examples), dtype=torch.float64, device=self.device)
+            parts.append(n)
+            for k in keys:
+                v = values[k]
+                try:
+                    v = v.detach().to(self.device, torch.float64).reshape(()) if isinstance(v, torch.Tensor) \
+                        else torch.tensor(float(v), dtype=torch.float64, device=self.device)
+                except (TypeError, ValueError, RuntimeError):
+                    problem = f"report({k}={values[k]!r}): metrics must be numbers or 1-element tensors"
+                    break
+                parts.append(torch.where(n > 0, v * n, torch.zeros_like(v)))
+        every: list = [(keys, problem)]
         if self.world > 1:
-            every: list = [None] * self.world
-            dist.all_gather_object(every, keys)
-            if any(k != keys for k in every):
-                raise SessionError("ranks reported different metrics: " + "; ".join(
-                    f"rank {r}: {k}" for r, k in enumerate(every)) + "; report the same keys on every rank")
-        n = torch.tensor(float(num_examples), dtype=torch.float64, device=self.device)
-        parts = [n]
-        for k in keys:
-            v = values[k]
-            try:
-                v = v.detach().to(self.device, torch.float64).reshape(()) if isinstance(v, torch.Tensor) \
-                    else torch.tensor(float(v), dtype=torch.float64, device=self.device)
-            except (TypeError, ValueError, RuntimeError):
-                raise SessionError(f"report({k}={values[k]!r}): metrics must be numbers or 1-element tensors") from None
-            parts.append(torch.where(n > 0, v * n, torch.zeros_like(v)))
+            every = [None] * self.world
+            dist.all_gather_object(every, (keys, problem))
+        bad = [f"rank {r}: {p}" for r, (_, p) in enumerate(every) if p]
+        if bad:
+            raise SessionError("; ".join(bad))
+        if any(k != keys for k, _ in every):
+            raise SessionError("ranks reported different metrics: " + "; ".join(
+                f"rank {r}: {k}" for r, (k, _) in enumerate(every)) + "; report the same keys on every rank")
         total = torch.stack(parts)
         if self.world > 1:
             dist.all_reduce(total)
         total = total.cpu().tolist()
         count = total[0]
-        return int(round(count)), {k: (s / count if count > 0 else float("nan")) for k, s in zip(keys, total[1:])}
+        return int(round(count)), {k: (s / count if count > 0 else 0.0) for k, s in zip(keys, total[1:])}
 
     def _finish(self, rnd: Round, num_examples: int, loss, metrics: dict) -> None:
-        if rnd.evaluating and loss is None:
-            raise SessionError("an evaluation round must report loss=... (the coordinator averages eval_loss)")
-        count, means = self._combine(num_examples, loss, metrics)
+        count, means = self._combine(num_examples, loss, metrics, need_loss=rnd.evaluating)
         req = self._current
         if rnd.evaluating:
             out = {f"eval_{k}" if not k.startswith("eval_") else k: v for k, v in means.items()}

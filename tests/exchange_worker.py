@@ -15,9 +15,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from site_trainer import layout
+from site_trainer import handoff, layout
 from site_trainer.config import SiteConfig, TrainerConfig, WorkloadConfig
 from site_trainer.local_trainer import LocalTrainer
+from site_trainer.session import SessionError
 from site_trainer.workloads import initial_weights
 
 LORA = WorkloadConfig(task="user_tasks:Toy")
@@ -74,6 +75,20 @@ def main(out_path: str, workdir: str) -> None:
         out[f"{par}/full_tied"] = np.array(every_rank(str(f.module.head.weight is f.module.emb.weight)))
         for name, arr in f.full_state().items():
             out[f"{par}/full/{name}"] = arr
+    # a report that is bad on one rank only raises the same error on every rank (none is left waiting)
+    t = trainer(LORA, "ddp", workdir)
+    h = handoff.write_arrays(initial_weights(LORA, 0), "misuse") if rank == 0 else None
+    request = {"round": 1, "global": h.to_json() if h else None, "config": {}}
+    try:
+        t.session.serve_one("Train", request, lambda rnd: rnd.report(num_examples=1, loss=1.0,
+                                                                     acc="high" if rank == 1 else 0.5))
+        out_misuse = "no error"
+    except SessionError as err:
+        out_misuse = str(err)
+    finally:
+        if h is not None:
+            handoff.release(h.path)
+    out["misuse"] = np.array(every_rank(out_misuse))
     if rank == 0:
         np.savez(out_path, **out)
     dist.barrier()

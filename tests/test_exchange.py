@@ -196,3 +196,69 @@ def test_full_fine_tuning_sends_the_tied_embedding_once(ranks2):
         assert ranks2[f"{par}/full_digests"][0] == ranks2[f"{par}/full_digests"][1], par
         emb = ranks2[f"{par}/full/emb.weight"]
         assert np.abs(emb - ranks2[f"ddp/full/emb.weight"]).max() <= 1e-5, par
+
+
+def test_a_bad_report_on_one_rank_raises_on_every_rank(ranks2):
+    assert list(ranks2["misuse"]) == ["rank 1: report(acc='high'): metrics must be numbers or 1-element tensors"] * 2
+
+
+def test_session_refuses_misuse(group, tmp_path):
+    from site_trainer.session import SessionError
+
+    cfg = _cfg(tmp_path)
+    sess = Session(_site_model(cfg), cfg)
+    h = handoff.write_arrays(workloads.initial_weights(cfg.workload, 0), "misuse")
+    request = {"round": 4, "global": h.to_json(), "config": {}}
+    try:
+        with pytest.raises(SessionError, match="reported twice"):
+            sess.serve_one("Train", request, lambda rnd: (rnd.report(num_examples=1, loss=1.0),
+                                                          rnd.report(num_examples=1)))
+        with pytest.raises(SessionError, match="an evaluation round must report loss"):
+            sess.serve_one("Evaluate", request, lambda rnd: rnd.report(num_examples=3))
+        reply = sess.serve_one("Evaluate", request, lambda rnd: rnd.report(num_examples=3, loss=0.5, accuracy=1.0))
+        assert reply["metrics"] == {"eval_loss": 0.5, "eval_accuracy": 1.0, "num_val_examples": 3,
+                                    "load_s": reply["metrics"]["load_s"]}
+        reply = sess.serve_one("Train", request, lambda rnd: rnd.report(num_examples=7, loss=2.0, steps=3))
+        assert reply["ok"] and reply["num_examples"] == 7 and reply["metrics"]["steps"] == 3
+        assert set(reply["metrics"]) >= {"loss", "train_s", "load_s", "pack_s"}
+        handoff.release(reply["update"]["path"])
+    finally:
+        handoff.release(h.path)
+
+
+def test_round_left_without_report_is_answered_then_raises(group, tmp_path):
+    """Through the endpoint: the relay gets an error naming the round at once (it does not wait
+    for its deadline), and the loop raises SessionError instead of taking the next round."""
+    import threading
+    import time
+    from pathlib import Path
+
+    from site_trainer import endpoint
+    from site_trainer.session import SessionError
+
+    cfg = _cfg(tmp_path)
+    sess = Session(_site_model(cfg), cfg)
+    h = handoff.write_arrays(workloads.initial_weights(cfg.workload, 0), "noreport")
+    answers: list[str] = []
+
+    def relay() -> None:
+        end = time.monotonic() + 60
+        while not Path(cfg.socket + ".ready").exists() and time.monotonic() < end:
+            time.sleep(0.05)
+        try:
+            endpoint.call(cfg.socket, "Train", {"round": 4, "global": h.to_json(), "timeout_s": 60}, timeout_s=60)
+        except endpoint.TrainerError as err:
+            answers.append(str(err))
+
+    thread = threading.Thread(target=relay)
+    thread.start()
+    try:
+        with pytest.raises(SessionError, match=r"round 4 \(train\) ended without rnd.report"):
+            for _ in sess.rounds():
+                pass  # forgets rnd.report(...)
+        thread.join(60)
+    finally:
+        handoff.release(h.path)
+    assert answers == ["site s: round 4 ended without report(); the training loop must call rnd.report(...) on "
+                       "every rank"]
+    assert not Path(cfg.socket).exists()  # the endpoint closed with the loop
