@@ -6,7 +6,7 @@ import argparse
 
 import torch
 
-from federation.config import load_config
+from federation.config.schema import load_config
 from federation.coordinator.checkpoint import load_checkpoint
 from site_trainer.workloads import coordinator_model
 

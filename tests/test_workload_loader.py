@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import write_config
-from federation.config import ConfigError, load_config
+from federation.config.schema import ConfigError, load_config
 from site_trainer import workload_loader
 from site_trainer.config import SiteConfig, TrainerConfig, WorkloadConfig
 from site_trainer.workload import TaskContext

@@ -130,6 +130,10 @@ class ExperimentConfig(StrictModel):
             raise ValueError(
                 f"site partitions must be 0..{n - 1}, each used once; got {parts}"
             )
+        if self.workload.task is not None and any(s.workload_options for s in self.sites):
+            from site_trainer.workload_loader import check_sites  # imports the task: only when needed
+
+            check_sites(self.workload, self.sites)  # a script is checked on its site, when it starts
         return self
 
 
@@ -158,7 +162,9 @@ def parse_config(data: object, source: str | Path = "<config>") -> ExperimentCon
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a YAML mapping at the top level, got {type(data).__name__}")
     try:
-        return ExperimentConfig.model_validate(data)
+        # relative paths in the file (a workload script) are the file's, not the working directory's
+        context = {"config_dir": str(Path(source).parent)} if str(source) != "<config>" else None
+        return ExperimentConfig.model_validate(data, context=context)
     except ValidationError as err:
         raise ConfigError(_format_errors(Path(source), err)) from None
 
