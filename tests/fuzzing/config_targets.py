@@ -126,7 +126,9 @@ def _with_scalar(doc: bytes, at: int, scalar: bytes) -> bytes:
 
 def yaml_strategy(seeds: Sequence[Any]) -> st.SearchStrategy[bytes]:
     """Byte edits of real configs; real configs with one value replaced by a hostile scalar; dumps of
-    edited documents; alias bombs (expansion up to 9**6) and deep nesting under a real key."""
+    edited documents; small alias bombs (up to 9**5 copies) and nesting (to 600) under a real key.
+    Bigger bombs and deeper nesting are the known bugs, pinned by tests/test_fuzz_config.py: here
+    they would only spend the soak's time (PyYAML's scanner is quadratic in the nesting depth)."""
     raw = [s for s in seeds if isinstance(s, bytes)]
     docs = [d for d in (_safe_load(s) for s in raw) if isinstance(d, dict)]
     keys = st.sampled_from([b"sites", b"federation", b"workload", b"unknown_key"])
@@ -135,8 +137,8 @@ def yaml_strategy(seeds: Sequence[Any]) -> st.SearchStrategy[bytes]:
         st.builds(_with_scalar, st.sampled_from(raw), st.integers(0, 255), _SCALARS),
         st.builds(_dump_edited, st.sampled_from(docs), PROGRAM),
         st.builds(lambda s, b: s + b"\n" + b, st.sampled_from(raw),
-                  st.builds(_bomb, st.integers(1, 6), st.integers(2, 9), keys)),
-        st.builds(lambda k, d: k + b": " + b"[" * d + b"]" * d + b"\n", keys, st.sampled_from([10, 200, 3000])),
+                  st.builds(_bomb, st.integers(1, 5), st.integers(2, 9), keys)),
+        st.builds(lambda k, d: k + b": " + b"[" * d + b"]" * d + b"\n", keys, st.sampled_from([5, 50, 600])),
     )
 
 
@@ -145,7 +147,7 @@ def _dump_edited(doc: Any, program: bytes) -> bytes:
 
     def value(r: Reader) -> Any:
         v = hostile_value(r)
-        return f"SOVFLDEEP{v.depth}X" if isinstance(v, Deep) else v
+        return f"SOVFLDEEP{min(v.depth, 600)}X" if isinstance(v, Deep) else v  # deeper: the known bug
 
     text = yaml.safe_dump(apply_json_program(doc, program, value), allow_unicode=True)
     text = re.sub(r"SOVFLDEEP(\d+)X", lambda m: "[" * int(m.group(1)) + "]" * int(m.group(1)), text)

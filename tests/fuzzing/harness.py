@@ -223,13 +223,15 @@ def _unexpected(target: Target, data: Any, exc: BaseException, label: str) -> Ou
 
 
 def corpus_files(name: str) -> list[Path]:
+    """seed-*.bin (genuine encodings), regress-*.bin (fixed bugs) and known-*.bin (open bugs
+    outside the code under test: replayed, never mutated, so the soak does not dwell on them)."""
     d = CORPUS_DIR / name
     return sorted(d.glob("*.bin")) if d.is_dir() else []
 
 
 def seeds_of(target: Target) -> list[Any]:
-    """Committed corpus first (regressions and seeds), then fresh encodings not already in it."""
-    out = [target.load_seed(p.read_bytes()) for p in corpus_files(target.name)]
+    """Committed corpus first (seeds and regressions), then fresh encodings not already in it."""
+    out = [target.load_seed(p.read_bytes()) for p in corpus_files(target.name) if not p.name.startswith("known-")]
     known = {input_bytes(s) for s in out}
     return out + [s for s in target.seeds() if input_bytes(s) not in known]
 

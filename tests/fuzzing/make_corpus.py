@@ -116,8 +116,9 @@ def write_regressions() -> None:
     for name, cases in REGRESSIONS.items():
         d = CORPUS_DIR / name
         d.mkdir(parents=True, exist_ok=True)
-        for case, (make, _) in cases.items():
-            (d / f"regress-{case}.bin").write_bytes(make())
+        for case, (make, why) in cases.items():
+            prefix = "known" if why.startswith("known:") else "regress"
+            (d / f"{prefix}-{case}.bin").write_bytes(make())
     print(f"wrote {sum(map(len, REGRESSIONS.values()))} regression inputs")
 
 
