@@ -126,6 +126,10 @@ def absorb(job: Job) -> None:
         job.outcomes = o0 + Counter(outcomes)
         if kind == "done":
             job.finished = True
+        elif job.done < job.goal:
+            rate = job.done / max(1e-9, time.monotonic() - job.started)
+            print(f"FUZZ {job.target.name} {job.done}/{job.goal} crashes={job.crashes} rate={rate:.0f}/s "
+                  f"eta={(job.goal - job.done) / max(rate, 1e-9):.0f}s", flush=True)
 
 
 def lost_input(job: Job, why: str, args: argparse.Namespace) -> None:

@@ -154,5 +154,5 @@ def parse_cert(data: bytes, what: str = "certificate") -> x509.Certificate:
     """A PEM certificate, or PkiMaterialError("malformed_certificate") (a ValueError, as before)."""
     try:
         return x509.load_pem_x509_certificate(bytes(data))
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, x509.InvalidVersion) as exc:  # InvalidVersion is no ValueError
         raise PkiMaterialError("malformed_certificate", f"{what} is not a PEM X.509 certificate ({exc})") from None

@@ -78,7 +78,7 @@ def parse_verified_crl(data: bytes, ca_cert: x509.Certificate, what: str = "CRL"
     """A PEM CRL signed by the CA, with every entry readable; else PkiMaterialError."""
     try:
         crl = x509.load_pem_x509_crl(bytes(data))
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, x509.InvalidVersion) as exc:  # InvalidVersion is no ValueError
         raise PkiMaterialError("malformed_crl", f"{what} is not a PEM X.509 CRL ({exc})") from None
     try:
         signed = crl.issuer == ca_cert.subject and crl.is_signature_valid(ca_cert.public_key())  # type: ignore[arg-type]

@@ -10,6 +10,7 @@ tests/test_fuzz_config.py: they are counted as `known`, apart from crashes, unti
 
 from __future__ import annotations
 
+import copy
 import datetime as dt
 import os
 import re
@@ -171,7 +172,7 @@ def yaml_value(r: Reader) -> Any:
     """What yaml.safe_load can produce that JSON cannot (dates, bytes, sets, huge ints), or a
     hostile JSON value; deep nesting as real nested lists."""
     if r.u() < 40:
-        return r.pick(_YAML_ONLY)
+        return copy.copy(r.pick(_YAML_ONLY))
     v = hostile_value(r)
     if isinstance(v, Deep):
         out: list[Any] = []

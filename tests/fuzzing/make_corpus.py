@@ -69,6 +69,16 @@ def _site_manifest_without_coordinator() -> bytes:
     return bytes([(0 << 1) | 1]) + json.dumps(doc).encode()  # selector: site-a bundle, manifest.json
 
 
+def _version_edit(bundle: str, name: str, version_tlv: bytes, new: int) -> bytes:
+    """A PEM file of the PKI fixture with its X.509 version number replaced (ASN.1 kept valid)."""
+    pem = fixtures.pki_files()[bundle][name]
+    lines = pem.strip().splitlines()
+    der = bytearray(base64.b64decode(b"".join(lines[1:-1])))
+    i = der.index(version_tlv)
+    der[i + len(version_tlv) - 1] = new
+    return lines[0] + b"\n" + base64.encodebytes(bytes(der)) + lines[-1] + b"\n"
+
+
 # decoder -> regression name -> (input maker, the bug it pins: symptom before the fix)
 REGRESSIONS = {
     "secagg-share-keys-request": {
@@ -102,6 +112,12 @@ REGRESSIONS = {
     "pki-trust-store": {
         "site-manifest-without-coordinator": (_site_manifest_without_coordinator, "AssertionError (an assert, gone "
                                               "under python -O: then AttributeError)"),
+        "ca-version-7": (lambda: bytes([3 << 1]) + _version_edit("coordinator", "ca.crt", b"\xa0\x03\x02\x01\x02", 7),
+                         "cryptography.x509.InvalidVersion (not a ValueError) escaped TrustStore.load"),
+    },
+    "pki-crl": {
+        "version-0": (lambda: _version_edit("coordinator", "crl.pem", b"\x02\x01\x01", 0),
+                      "cryptography.x509.InvalidVersion (not a ValueError) escaped load_verified_crl"),
     },
     "config-yaml": {
         "not-utf8": (lambda: b"sites: [\xff]\n", "known: config-not-utf8 (federation/config.py, not fixed here)"),

@@ -113,13 +113,13 @@ HOSTILE_VALUES: tuple[Any, ...] = (
 def hostile_value(r: Reader) -> Any:
     """A hostile JSON value: from the table, or a string or integer made of the program's bytes."""
     k = r.u()
-    if k < 200:
-        return HOSTILE_VALUES[k % len(HOSTILE_VALUES)]
+    if k < 200:  # a copy: edits must never reach the table (or make cycles through it)
+        return copy.copy(HOSTILE_VALUES[k % len(HOSTILE_VALUES)])
     if k < 225:
         return r.raw(r.u() % 24).decode("utf-8", "surrogateescape")  # lone surrogates included
     if k < 250:
         return int.from_bytes(r.raw(r.u() % 12 + 1), "big", signed=True)
-    return [hostile_value(r), hostile_value(r)] if k % 2 else {str(hostile_value(r))[:20]: hostile_value(r)}
+    return [hostile_value(r), hostile_value(r)] if k % 2 else {_key(hostile_value(r))[:20]: hostile_value(r)}
 
 
 def _nodes(doc: Any, path: tuple[Any, ...] = (), seen: set[int] | None = None) -> list[tuple[Any, ...]]:
@@ -138,6 +138,16 @@ def _get(doc: Any, path: tuple[Any, ...]) -> Any:
     return doc
 
 
+def _key(value: Any) -> str:
+    """A dict key made from a hostile value (whose str may be huge, deep, or refuse to exist)."""
+    if isinstance(value, (list, dict, set, frozenset, Deep)):
+        return type(value).__name__
+    try:
+        return str(value)[:40]
+    except ValueError:  # an int beyond the str conversion limit
+        return "int"
+
+
 def apply_json_program(doc: Any, program: bytes, values: Any = hostile_value, cycles: bool = False) -> Any:
     """Tree edits of a copy of ``doc`` (dicts, lists, scalars): set, drop, add, wrap (and make a
     cycle, which only YAML can express, when ``cycles``)."""
@@ -153,7 +163,7 @@ def apply_json_program(doc: Any, program: bytes, values: Any = hostile_value, cy
             continue
         if kind == 2:  # add
             if isinstance(node, dict):
-                node[str(values(r))[:40]] = values(r)
+                node[_key(values(r))] = values(r)
             elif isinstance(node, list):
                 node.append(values(r))
             continue
