@@ -26,15 +26,16 @@ _B64URL = re.compile(r"[A-Za-z0-9_-]*")
 MAX_NUMERIC_DATE = 221845392000.0  # 9000-01-01T00:00:00Z
 
 
+def is_b64url(text: Any) -> bool:
+    """Unpadded base64url (as in JOSE): only the 64 URL-safe characters, in a decodable length."""
+    return isinstance(text, str) and _B64URL.fullmatch(text) is not None and len(text) % 4 != 1
+
+
 def unb64url(text: str) -> bytes:
-    """Strict base64url without padding (as in JOSE): only the 64 URL-safe characters."""
-    if not isinstance(text, str) or not _B64URL.fullmatch(text) or len(text) % 4 == 1:
+    """Strict base64url without padding; ValueError otherwise."""
+    if not is_b64url(text):
         raise ValueError("not unpadded base64url")
     return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
-
-
-def is_b64url(text: Any) -> bool:
-    return isinstance(text, str) and _B64URL.fullmatch(text) is not None and len(text) % 4 != 1
 
 
 def load_json(data: bytes | str, what: str) -> Any:

@@ -81,9 +81,10 @@ def parse_verified_crl(data: bytes, ca_cert: x509.Certificate, what: str = "CRL"
     except (ValueError, TypeError, x509.InvalidVersion) as exc:  # InvalidVersion is no ValueError
         raise PkiMaterialError("malformed_crl", f"{what} is not a PEM X.509 CRL ({exc})") from None
     try:
-        signed = crl.issuer == ca_cert.subject and crl.is_signature_valid(ca_cert.public_key())  # type: ignore[arg-type]
+        key = ca_cert.public_key()
+        signed = crl.issuer == ca_cert.subject and crl.is_signature_valid(key)  # type: ignore[arg-type]
     except (ValueError, TypeError) as exc:  # an unsupported signature algorithm or key type
-        raise PkiMaterialError("bad_crl_signature", f"{what} cannot be checked against the federation CA ({exc})") from None
+        raise PkiMaterialError("bad_crl_signature", f"{what} cannot be checked against the CA ({exc})") from None
     if not signed:
         raise PkiMaterialError("bad_crl_signature", f"{what} is not signed by the federation CA")
     try:

@@ -146,11 +146,14 @@ def yaml_strategy(seeds: Sequence[Any]) -> st.SearchStrategy[bytes]:
 def _dump_edited(doc: Any, program: bytes) -> bytes:
     """A config document with tree edits, as YAML text (deep nesting written as flow sequences)."""
 
-    def value(r: Reader) -> Any:
-        v = hostile_value(r)
-        return f"SOVFLDEEP{min(v.depth, 600)}X" if isinstance(v, Deep) else v  # deeper: the known bug
+    def marked(v: Any) -> Any:  # Deep anywhere -> a plain-scalar marker (deeper: the known bug)
+        if isinstance(v, Deep):
+            return f"SOVFLDEEP{min(v.depth, 600)}X"
+        if isinstance(v, dict):
+            return {k: marked(x) for k, x in v.items()}
+        return [marked(x) for x in v] if isinstance(v, list) else v
 
-    text = yaml.safe_dump(apply_json_program(doc, program, value), allow_unicode=True)
+    text = yaml.safe_dump(marked(apply_json_program(doc, program)), allow_unicode=True)
     text = re.sub(r"SOVFLDEEP(\d+)X", lambda m: "[" * int(m.group(1)) + "]" * int(m.group(1)), text)
     return text.encode("utf-8", "surrogatepass")
 

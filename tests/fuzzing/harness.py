@@ -139,9 +139,11 @@ def _repr(x: Any, depth: int, seen: set[int]) -> str:
             return "..."
         seen = seen | {id(x)}
         if isinstance(x, dict):
-            return "{" + ", ".join(f"{_repr(k, depth + 1, seen)}: {_repr(v, depth + 1, seen)}" for k, v in x.items()) + "}"
+            pairs = (f"{_repr(k, depth + 1, seen)}: {_repr(v, depth + 1, seen)}" for k, v in x.items())
+            return "{" + ", ".join(pairs) + "}"
         inner = ", ".join(_repr(v, depth + 1, seen) for v in x)
-        return {list: f"[{inner}]", tuple: f"({inner},)", set: f"{{{inner}}}"}.get(type(x), f"{type(x).__name__}({inner})")
+        shapes = {list: f"[{inner}]", tuple: f"({inner},)", set: f"{{{inner}}}"}
+        return shapes.get(type(x), f"{type(x).__name__}({inner})")
     try:
         return repr(x)
     except Exception:  # an object whose repr fails is still an input
