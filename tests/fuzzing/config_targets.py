@@ -56,13 +56,15 @@ KNOWN_BUGS = {b.id: b for b in [
     KnownBug("config-not-utf8", "UnicodeDecodeError escapes load_config",
              b"sites: [\xff]\n",
              "read_text(encoding='utf-8') inside the try that maps errors to ConfigError (catch UnicodeDecodeError)"),
-    KnownBug("config-deep-nesting", "RecursionError from PyYAML's recursive composer escapes load_config",
+    KnownBug("config-deep-nesting", "RecursionError escapes load_config (PyYAML's recursive composer) and parse_config "
+             "(the repr of a deeply nested value in _format_errors); PyYAML's scanner is also quadratic in the depth",
              b"sites: " + b"[" * 5000 + b"]" * 5000 + b"\n",
-             "catch RecursionError around yaml.safe_load (or refuse nesting deeper than ~100 before parsing)"),
-    KnownBug("config-int-digits", "ValueError (int max_str_digits) from PyYAML's int constructor escapes as a "
-             "plain ValueError, not a ConfigError",
+             "catch RecursionError around yaml.safe_load and model_validate, bound the text's '[' and '{' before "
+             "parsing, and repr values with reprlib in _format_errors"),
+    KnownBug("config-int-digits", "ValueError (int max_str_digits) escapes as a plain ValueError, not a ConfigError: "
+             "from PyYAML's int constructor, and from the repr of a huge int in _format_errors (parse_config)",
              b"federation: {seed: " + b"9" * 5000 + b"}\nsites: [{id: a, partition: 0}]\n",
-             "catch ValueError around yaml.safe_load and raise ConfigError"),
+             "catch ValueError around yaml.safe_load and raise ConfigError; repr values with reprlib (never raises)"),
     KnownBug("config-alias-expansion", "a YAML alias bomb (9 anchors of 9 aliases, 300 bytes) is loaded as a "
              "shared structure, then validation errors repr every expanded copy: the message grows 9x per level "
              "(level 6: 35 MB in 0.3 s; level 9: ~25 GB, out of memory)",
