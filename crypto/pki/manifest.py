@@ -13,8 +13,9 @@ from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, x25519
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
+from .errors import PkiMaterialError
 from .keys import canonical_json
 
 MANIFEST = "manifest.json"
@@ -100,9 +101,30 @@ class SignedRegistry(_Model):
 
     def verify(self, ca_cert: x509.Certificate) -> RegistryBody:
         key = ca_cert.public_key()
-        assert isinstance(key, ec.EllipticCurvePublicKey)
+        if not isinstance(key, ec.EllipticCurvePublicKey):
+            raise PkiMaterialError("bad_registry_signature", "the federation CA key is not an EC key")
         try:
             key.verify(unb64(self.signature), canonical_json(self.body.model_dump(mode="json")), ec.ECDSA(hashes.SHA256()))
-        except InvalidSignature as exc:
-            raise ValueError("site registry signature does not verify against the federation CA") from exc
+        except (InvalidSignature, ValueError) as exc:  # ValueError: signature not base64
+            raise PkiMaterialError("bad_registry_signature",
+                                   "site registry signature does not verify against the federation CA") from exc
         return self.body
+
+
+def _parse(model: type[_Model], data: bytes | str, reason: str, what: str) -> _Model:
+    try:
+        return model.model_validate_json(data)
+    except ValidationError as err:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or '(top)'}: {e['msg']}" for e in err.errors()[:5])
+        raise PkiMaterialError(reason, f"{what} does not parse ({err.error_count()} problem(s)): {problems}") from None
+
+
+def parse_manifest(data: bytes | str, what: str = MANIFEST) -> BundleManifest:
+    """A bundle manifest from its JSON, or PkiMaterialError("malformed_manifest")."""
+    return _parse(BundleManifest, data, "malformed_manifest", what)  # type: ignore[return-value]
+
+
+def parse_signed_registry(data: bytes | str, ca_cert: x509.Certificate, what: str = REGISTRY) -> RegistryBody:
+    """The body of a CA-signed site registry, once its signature verified; else PkiMaterialError."""
+    signed = _parse(SignedRegistry, data, "malformed_registry", what)
+    return signed.verify(ca_cert)  # type: ignore[attr-defined]

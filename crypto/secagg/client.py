@@ -30,7 +30,7 @@ from .config import RoundParams, SecAggConfig
 from .context import RoundContext
 from .errors import MalformedMessageError, ProtocolViolationError, SecAggAbort
 from .encoding import FixedPointCodec, noise_key
-from .graph import neighbour_graph
+from .graph import neighbours_of
 from .keys import KeyPair
 from .prg import PIECE_WORDS, MaskExpander
 
@@ -82,7 +82,7 @@ class SecAggClient:
         if len(set(roster)) != len(roster) or self.id not in roster:
             raise ProtocolViolationError("the roster repeats ids or leaves this client out")
         params = self.config.resolve(len(roster))
-        nbrs = neighbour_graph(roster, params.degree, self.ctx.graph_seed)[self.id]
+        nbrs = neighbours_of(roster, params.degree, self.ctx.graph_seed, self.id)
         if len({a.client for a in adverts}) != len(adverts):
             raise ProtocolViolationError("the server forwarded two adverts for one client")
         peers = {a.client: (a.c_pk, a.s_pk) for a in adverts if a.client != self.id}
