@@ -1,8 +1,6 @@
 """The YAML config loader's contract is ConfigError with a message, for any file. Fuzzing found
-inputs that break it (tests/fuzzing/config_targets.py, KNOWN_BUGS, each with its fix); the loader
-lives in federation/, which another change is moving, so they are pinned here as strict xfails:
-when the fix lands they pass, the strict xfail fails, and the entry comes out of KNOWN_BUGS (the
-fuzz runners then count any recurrence as a crash)."""
+inputs that broke it (tests/fuzzing/config_targets.py, FIXED_BUGS, each with its fix); each is
+replayed here so that it stays fixed."""
 
 from __future__ import annotations
 
@@ -13,15 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from fuzzing.config_targets import KNOWN_BUGS, alias_bomb, config_error
+from fuzzing.config_targets import FIXED_BUGS, alias_bomb, config_error
 
-IN_PROCESS = [b for b in KNOWN_BUGS.values() if b.id != "config-alias-expansion"]
+IN_PROCESS = [b for b in FIXED_BUGS.values() if b.id != "config-alias-expansion"]
 
 
 @pytest.mark.parametrize("bug", IN_PROCESS, ids=[b.id for b in IN_PROCESS])
-@pytest.mark.xfail(strict=True, reason="federation/config.py lets the exception through (see KNOWN_BUGS)")
-def test_known_config_bug_is_a_config_error(bug, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    from federation.config import load_config
+def test_fixed_config_bug_is_a_config_error(bug, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from federation.config.schema import load_config
 
     path = tmp_path / "config.yaml"
     path.write_bytes(bug.example)
@@ -30,7 +27,6 @@ def test_known_config_bug_is_a_config_error(bug, tmp_path: Path) -> None:  # typ
     assert str(err.value).strip()
 
 
-@pytest.mark.xfail(strict=True, reason="alias bombs expand without bound in the error message (KNOWN_BUGS)")
 def test_alias_bomb_is_refused_within_bounds(tmp_path: Path) -> None:
     """A 250-byte billion-laughs file (7 levels; the documented example has 9), loaded in a child
     allowed 64 MiB of address space above its imports: the contract is a ConfigError within that
@@ -39,7 +35,7 @@ def test_alias_bomb_is_refused_within_bounds(tmp_path: Path) -> None:
     path.write_bytes(alias_bomb(7))
     child = textwrap.dedent(f"""
         import resource
-        from federation.config import ConfigError, load_config
+        from federation.config.schema import ConfigError, load_config
         with open("/proc/self/status") as f:
             vm = next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmSize:"))
         resource.setrlimit(resource.RLIMIT_AS, (vm + (64 << 20), vm + (64 << 20)))
@@ -53,12 +49,12 @@ def test_alias_bomb_is_refused_within_bounds(tmp_path: Path) -> None:
     assert r.returncode == 0 and r.stdout.startswith("ConfigError"), r.stderr[-2000:]
 
 
-def test_known_bug_examples_are_recognised() -> None:
-    """Each documented example is classified as its own bug, so the runners count it as known."""
+def test_fixed_bug_examples_are_rejected_not_crashes() -> None:
+    """Through the fuzz runner too: each former bug's example is now a plain rejection."""
     from fuzzing import registry  # noqa: F401
     from fuzzing.harness import REGISTRY, run_one
 
     target = REGISTRY["config-yaml"]
     for bug in IN_PROCESS:
         outcome = run_one(target, bug.example, check_alloc=False)
-        assert (outcome.kind, outcome.label) == ("known", bug.id), outcome
+        assert outcome.kind == "rejected", (bug.id, outcome)

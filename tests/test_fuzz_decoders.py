@@ -46,7 +46,7 @@ def test_corpus_replays_without_crash(name: str) -> None:
         assert not outcome.crashed, f"{path.name}: {outcome.label}\n{outcome.detail}"
         if path.name.startswith("regress-"):
             assert outcome.kind == "rejected", f"{path.name} is now {outcome.kind}"
-        if path.name.startswith("known-"):  # fixed? then rename it regress-* and drop its KNOWN_BUGS entry
+        if path.name.startswith("known-"):  # an open bug outside the code under test
             assert outcome.kind == "known", f"{path.name} is now {outcome.kind}"
 
 
