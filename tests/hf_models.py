@@ -22,6 +22,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 
 EOS = "<|endoftext|>"
+INIT_STD = 0.1  # wider than the usual 0.02: a random tiny model then has some structure for LoRA to steer
 PAD = "<|pad|>"
 
 
@@ -72,8 +73,8 @@ def tiny_llama(out_dir: Path, *, hidden: int = 64, layers: int = 2, heads: int =
     tok = train_tokenizer(out_dir, vocab_size, context)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=context,
-                      tie_word_embeddings=tie, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
-                      pad_token_id=tok.pad_token_id)
+                      tie_word_embeddings=tie, initializer_range=INIT_STD, eos_token_id=tok.eos_token_id,
+                      bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)
     torch.manual_seed(seed)
     return _save(LlamaForCausalLM(cfg), tok, out_dir)
 
@@ -85,7 +86,7 @@ def tiny_gpt2(out_dir: Path, *, hidden: int = 64, layers: int = 2, heads: int = 
 
     tok = train_tokenizer(out_dir, vocab_size, context)
     cfg = GPT2Config(vocab_size=len(tok), n_embd=hidden, n_layer=layers, n_head=heads, n_positions=context,
-                     eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)
+                     initializer_range=INIT_STD, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)
     torch.manual_seed(seed)
     return _save(GPT2LMHeadModel(cfg), tok, out_dir)
 

@@ -27,8 +27,10 @@ from the model's `_no_split_modules`.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
+import warnings
 from pathlib import Path
 from typing import Literal
 
@@ -165,9 +167,7 @@ class CausalLM(Task):
         _retie(model)
         if self.options.lora is None:
             return model
-        from peft import get_peft_model
-
-        model = get_peft_model(model, self.lora_config(model))
+        model = _with_lora(model, self.lora_config(model))
         model.peft_config["default"].base_model_name_or_path = str(self.model_dir)
         return model
 
@@ -205,13 +205,12 @@ class CausalLM(Task):
     def _check_lora_targets(self) -> None:
         """Build the structure on the meta device (no memory) and apply LoRA: refuse targets that
         match nothing, or an architecture for which peft has no default, naming the field."""
-        from peft import get_peft_model
         from transformers import AutoModelForCausalLM
 
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(self.config, trust_remote_code=False)
         try:
-            get_peft_model(model, self.lora_config(model))
+            _with_lora(model, self.lora_config(model))
         except ValueError as err:
             linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
                              if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"})
@@ -306,8 +305,9 @@ class CausalLM(Task):
         written = self._save(model, adapter_dir)
         if not merge:
             return written
-        merged = PeftModel.from_pretrained(self.pretrained(torch.float32), adapter_dir, local_files_only=True)
-        merged = merged.merge_and_unload()
+        with _peft_quiet():
+            merged = PeftModel.from_pretrained(self.pretrained(torch.float32), adapter_dir, local_files_only=True)
+            merged = merged.merge_and_unload()
         merged.to(getattr(self.config, "dtype", None) or torch.float32)
         return written + self._save(merged, out_dir)
 
@@ -407,7 +407,11 @@ def _load_transform(path: str, field: str) -> text_data.DocumentTransform:
         raise OptionsError(f"{field}: cannot import {path!r} ({err}); is its package installed in the site's "
                            "environment?") from None
     if not _is_transform(obj) and callable(obj):
-        obj = obj()
+        try:
+            obj = obj()
+        except Exception as err:  # noqa: BLE001 - user code: any failure is reported the same way
+            raise OptionsError(f"{field}: {path!r} is not a document transform, and calling it as a factory with no "
+                               f"arguments failed ({type(err).__name__}: {err})") from None
     if not _is_transform(obj):
         raise OptionsError(f"{field}: {path!r} is not a document transform: it needs __call__(path, text) -> str | "
                            "None and a string `fingerprint` (see site_trainer.text_data.DocumentTransform)")
@@ -416,6 +420,21 @@ def _load_transform(path: str, field: str) -> text_data.DocumentTransform:
 
 def _is_transform(obj) -> bool:
     return callable(obj) and isinstance(getattr(obj, "fingerprint", None), str)
+
+
+def _with_lora(model: nn.Module, config) -> nn.Module:
+    from peft import get_peft_model
+
+    with _peft_quiet():
+        return get_peft_model(model, config)
+
+
+@contextlib.contextmanager
+def _peft_quiet():
+    """peft 0.21 reads a property that transformers 5 deprecates, with a FutureWarning each time."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
 
 
 def _parameters_on_meta() -> bool:
