@@ -62,7 +62,8 @@ def plain(cfg_path: Path, steps: int, warmup: int = 0, timeout_s: float = 900) -
 class Service:
     """A real trainer service (torchrun, K ranks, `python -m site_trainer`) plus a relay-side driver."""
 
-    def __init__(self, tmp: Path, cfg_path: Path, start_timeout_s: float = 300):
+    def __init__(self, tmp: Path, cfg_path: Path, start_timeout_s: float = 300,
+                 model: dict[str, np.ndarray] | None = None):
         self.cfg = TrainerConfig.model_validate_json(cfg_path.read_text())
         self.sup = Supervisor(tmp)
         try:
@@ -75,10 +76,11 @@ class Service:
             self.sup.close()
             raise
         self.log = proc.log
-        self.model = workloads.initial_weights(self.cfg.workload, 0)
+        self.model = model if model is not None else workloads.initial_weights(self.cfg.workload, 0)
 
     def round(self, rnd: int, timeout_s: float = 600) -> tuple[float, dict]:
-        """One Train request as the relay sends it; (relay seconds, the trainer's metrics)."""
+        """One Train request as the relay sends it; (relay seconds, the trainer's metrics plus
+        `update_bytes`, the bytes of the update the trainer handed off)."""
         t0 = time.perf_counter()
         h = handoff.write_arrays(self.model, "bench-global")
         try:
@@ -92,7 +94,7 @@ class Service:
         seconds = time.perf_counter() - t0
         for k, d in delta.items():  # the coordinator's part, not timed
             self.model[k] += d
-        return seconds, reply["metrics"]
+        return seconds, {**reply["metrics"], "update_bytes": sum(e.nbytes for e in upd.entries)}
 
     def close(self) -> None:
         self.sup.close()
