@@ -36,6 +36,7 @@
 from __future__ import annotations
 
 import codecs
+import contextlib
 import glob
 import hashlib
 import itertools
@@ -513,15 +514,21 @@ def prepare(corpus: Corpus, tokenizer, workdir: Path, stall_s: float = 300.0) ->
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized() \
         and torch.distributed.get_world_size() > 1
     rank = torch.distributed.get_rank() if distributed else 0
-    key, cache, nonce = None, None, uuid.uuid4().hex
+    key, cache, nonce, problem = None, None, uuid.uuid4().hex, None
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        key = cache_key(corpus.files, tokenizer_fingerprint(tokenizer), corpus.settings())
-        cache = _reuse(root / key)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            key = cache_key(corpus.files, tokenizer_fingerprint(tokenizer), corpus.settings())
+            cache = _reuse(root / key)
+        except OSError as err:  # told to every rank below, so that none waits for a build that never comes
+            problem = f"rank 0 cannot prepare the token cache in {root}: {err}"
     if distributed:
-        msg = [key, cache is not None, nonce]
+        msg = [key, cache is not None, nonce, problem]
         torch.distributed.broadcast_object_list(msg, src=0)
-        key, ready, nonce = msg
+        key, ready, nonce, problem = msg
+    if problem:
+        raise DataError(problem)
+    if distributed:
         _check_shared(root, nonce, rank)
         if rank != 0:
             return TokenCache.open(root / key) if ready else _wait(root, key, nonce, stall_s, rank)
@@ -554,7 +561,8 @@ def _check_shared(root: Path, nonce: str, rank: int) -> None:
     """Collective: every rank must see rank 0's files; refuse together, naming the fix, if one cannot."""
     probe = root / f".probe-{nonce}"
     if rank == 0:
-        probe.write_text(socket.gethostname())
+        with contextlib.suppress(OSError):  # a failed write shows as a rank that cannot see it
+            probe.write_text(socket.gethostname())
     torch.distributed.barrier()
     seen = torch.tensor([1 if probe.is_file() else 0])
     torch.distributed.all_reduce(seen, op=torch.distributed.ReduceOp.MIN)
@@ -562,8 +570,8 @@ def _check_shared(root: Path, nonce: str, rank: int) -> None:
     if rank == 0:
         probe.unlink(missing_ok=True)
     if not int(seen.item()):
-        raise DataError(f"some ranks of this site cannot see {root} that rank 0 writes (host "
-                        f"{socket.gethostname()}, rank {rank}): the nodes of a site must share the workdir, "
+        raise DataError(f"some ranks of this site cannot see the files rank 0 writes in {root} (this is host "
+                        f"{socket.gethostname()}, rank {rank}): the nodes of a site must share a writable workdir, "
                         "as for local checkpoints; give every node the same --workdir on shared storage")
 
 

@@ -321,4 +321,12 @@ def test_the_cache_is_built_once_per_site_by_rank_0(tmp_path, llama_dir):  # noq
     assert r1["failing"]["error"].startswith("DataError: rank 0 could not build the token cache")
     assert "scrubber crashed on d0.txt" in r1["failing"]["error"]
     for r in (r0, r1):
-        assert "must share the workdir" in r["unshared"]["error"]
+        assert "must share a writable workdir" in r["unshared"]["error"]
+
+
+def test_a_workdir_that_cannot_hold_the_cache_is_a_clear_error(tmp_path, tok):
+    write(tmp_path / "data" / "a.txt", stdlib_text()[:5000])
+    not_a_dir = write(tmp_path / "work", "a file where the workdir should be")
+    corpus = Corpus([(p, None) for p in find_files([str(tmp_path / "data" / "*")])])
+    with pytest.raises(DataError, match=f"rank 0 cannot prepare the token cache in {not_a_dir}/text_cache"):
+        text_data.prepare(corpus, tok, not_a_dir)
