@@ -409,3 +409,22 @@ def test_full_fine_tuning_exports_the_whole_model_tied(tmp_path, gpt2_dir, corpu
     trained = model.state_dict()
     assert all(torch.equal(v, trained[k]) for k, v in loaded.state_dict().items())
     assert loaded.generate(torch.tensor([[5, 6]]), max_new_tokens=4, do_sample=False).shape == (1, 6)
+
+
+def test_merged_export_keeps_the_checkpoint_dtype(tmp_path, llama_dir, corpus):  # noqa: F811
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    bf16 = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(llama_dir, local_files_only=True, dtype=torch.bfloat16).save_pretrained(bf16)
+    for f in llama_dir.glob("tokenizer*"):
+        shutil.copy(f, bf16)
+    task = make(bf16, corpus, tmp_path / "work", lora={"r": 4})
+    model = task.build_model()
+    task.export(model, tmp_path / "out", merge=True)
+    with safe_open(tmp_path / "out" / "model.safetensors", "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    with safe_open(tmp_path / "out" / "adapter" / "adapter_model.safetensors", "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}
+    with pytest.raises(FileExistsError, match="is not empty"):
+        task.export(model, tmp_path / "out")

@@ -296,6 +296,8 @@ class CausalLM(Task):
         force_offline()
         _quiet_transformers()
         out_dir = Path(out_dir)
+        if out_dir.exists() and any(out_dir.iterdir()):  # stale adapter files would change what loads
+            raise FileExistsError(f"export: {out_dir} is not empty; give a new or empty directory")
         model = getattr(model, "module", model)  # a DDP wrapper, if given one
         if not isinstance(model, PeftModel):
             if merge:
@@ -308,15 +310,15 @@ class CausalLM(Task):
         with _peft_quiet():
             merged = PeftModel.from_pretrained(self.pretrained(torch.float32), adapter_dir, local_files_only=True)
             merged = merged.merge_and_unload()
-        merged.to(getattr(self.config, "dtype", None) or torch.float32)
+        stored = getattr(self.config, "dtype", None)
+        merged.to(stored if isinstance(stored, torch.dtype) else torch.float32)
         return written + self._save(merged, out_dir)
 
     def _save(self, model: nn.Module, out_dir: Path) -> list[Path]:
         out_dir.mkdir(parents=True, exist_ok=True)
-        before = set(out_dir.iterdir())
         model.save_pretrained(out_dir)
         self.tokenizer.save_pretrained(out_dir)
-        return sorted(p for p in out_dir.iterdir() if p not in before and p.is_file())
+        return sorted(p for p in out_dir.iterdir() if p.is_file())
 
 
 # ---- helpers ----------------------------------------------------------------------------------
