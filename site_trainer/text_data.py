@@ -285,6 +285,9 @@ def apply_transforms(pieces: Iterator[Piece], transforms: Sequence[DocumentTrans
     return pieces
 
 
+_END = object()
+
+
 def _apply_one(pieces: Iterator[Piece], t: DocumentTransform, stats: CorpusStats) -> Iterator[Piece]:
     fp = t.fingerprint
     live, meta = itertools.tee(pieces)
@@ -305,6 +308,8 @@ def _apply_one(pieces: Iterator[Piece], t: DocumentTransform, stats: CorpusStats
         elif out != p.text:
             stats.changed[fp] += 1
         yield replace(p, text=out)
+    if next(outputs, _END) is not _END:
+        raise RuntimeError(f"document transform {fp!r} returned more outputs than it was given")
 
 
 # ---- tokens -----------------------------------------------------------------------------------

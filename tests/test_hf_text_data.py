@@ -217,16 +217,37 @@ def test_a_dropped_piece_of_a_large_file_keeps_the_document_end(tmp_path, tok):
     assert decode(tok, train) == "".join(pieces[:-1]) + tok.eos_token
 
 
-def test_a_transform_returning_the_wrong_type_is_named(tmp_path, tok):
+def test_a_transform_breaking_the_contract_is_named(tmp_path, tok):
     class Bad:
         fingerprint = "bad-v0"
 
         def __call__(self, path, text):
             return text.encode()
 
+    class Chatty:
+        fingerprint = "chatty-v0"
+
+        def map(self, items):
+            for _path, text in items:
+                yield text
+                yield text
+
+        def __call__(self, path, text):
+            return text
+
+    class Quiet(Chatty):
+        fingerprint = "quiet-v0"
+
+        def map(self, items):
+            return iter(())
+
     f = jsonl(tmp_path / "a.jsonl", [{"text": "x"}])
     with pytest.raises(TypeError, match="'bad-v0' returned bytes"):
         built([(f, None)], tok, tmp_path / "out", transforms=[Bad()])
+    with pytest.raises(RuntimeError, match="'chatty-v0' returned more outputs"):
+        built([(f, None)], tok, tmp_path / "out2", transforms=[Chatty()])
+    with pytest.raises(RuntimeError, match="'quiet-v0' returned fewer outputs"):
+        built([(f, None)], tok, tmp_path / "out3", transforms=[Quiet()])
 
 
 # ---- the cache --------------------------------------------------------------------------------
