@@ -84,7 +84,10 @@ class DocumentTransform(Protocol):
     settings): it is part of the token cache's key. A transform may also define
     `map(items: Iterable[tuple[str, str]]) -> Iterable[str | None]`, one output per input and in
     order, to work on the stream as a whole (e.g. over a process pool); it is then used instead
-    of `__call__`. Transforms must not log or return document text anywhere else.
+    of `__call__`. A transform may also define `report() -> dict` (JSON-serialisable counts, never
+    text): it is called once after a build and stored in the cache index under
+    `transform_reports[fingerprint]`, so that a reused cache still has it. Transforms must not log
+    or return document text anywhere else.
     """
 
     fingerprint: str
@@ -407,10 +410,11 @@ def build_tokens(files: Sequence[tuple[Path, str | None]], tokenizer, out_dir: P
         for f in sinks.values():
             f.close()
     seconds = time.perf_counter() - t0
+    reports = {t.fingerprint: t.report() for t in transforms if callable(getattr(t, "report", None))}
     index = {"version": FORMAT_VERSION, "dtype": dtype.str, "eos_id": int(eos),
              "splits": {s: {"file": f"{s}.tokens", "tokens": int(stats.tokens[s]),
                             "documents": int(stats.split_documents[s])} for s in ("train", "val")},
-             "stats": stats.to_json(), "build_s": round(seconds, 3)}
+             "stats": stats.to_json(), "transform_reports": reports, "build_s": round(seconds, 3)}
     _write_json(out_dir / "index.json", index)
     return index
 

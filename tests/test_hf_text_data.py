@@ -183,13 +183,20 @@ class Redact:
 
 
 class Upper:
-    """Stream transform (`map`): one output per input, in order."""
+    """Stream transform (`map`): one output per input, in order; reports counts."""
 
     fingerprint = "upper-v1"
 
+    def __init__(self):
+        self.seen = 0
+
     def map(self, items):
         for _path, text in items:
+            self.seen += 1
             yield text.upper()
+
+    def report(self) -> dict:
+        return {"documents": self.seen}
 
     def __call__(self, path: str, text: str) -> str:
         raise AssertionError("map is preferred when present")
@@ -206,6 +213,9 @@ def test_transforms_run_in_order_before_tokenization(tmp_path, tok):
     assert redact.seen == [str(f)] * 3
     st = index["stats"]
     assert st["dropped"] == {"redact-v1": 1} and st["changed"] == {"redact-v1": 1, "upper-v1": 2}
+    assert index["transform_reports"] == {"upper-v1": {"documents": 2}}
+    stored = json.loads((tmp_path / "out" / "index.json").read_text())
+    assert stored["transform_reports"] == {"upper-v1": {"documents": 2}}
 
 
 def test_a_dropped_piece_of_a_large_file_keeps_the_document_end(tmp_path, tok):

@@ -146,6 +146,7 @@ class CausalLM(Task):
             self._check_lora_targets()
         self.files: list[tuple[Path, str | None]] = []
         self.transforms: list[text_data.DocumentTransform] = []
+        self.token_cache: text_data.TokenCache | None = None  # after build_data: its index holds the counts
         if ctx.role == "site":
             self.files = self._site_files()
             self.transforms = self.document_transforms()
@@ -254,7 +255,8 @@ class CausalLM(Task):
         corpus = text_data.Corpus(self.files, text_field=o.text_field,
                                   val_fraction=o.val_fraction if o.val_data is None else 0.0,
                                   transforms=self.transforms)
-        cache = text_data.prepare(corpus, self.tokenizer, Path(self.ctx.workdir), stall_s=o.cache_stall_s)
+        cache = self.token_cache = text_data.prepare(corpus, self.tokenizer, Path(self.ctx.workdir),
+                                                     stall_s=o.cache_stall_s)
         train, val = cache.sequences("train", self.seq_len), cache.sequences("val", self.seq_len)
         if len(train) == 0:
             raise text_data.DataError(
