@@ -19,7 +19,8 @@ directory; the text: Python standard-library sources as .txt files. Nothing is d
 
     python benchmarks/hf_finetune.py [--ranks 1] [--rounds 3] [--steps 20] [--repeats 2]
 
-Last line: RESULT lora_ratio=<ours/plain> full_ratio=<ours/plain> lora_bytes_ratio=<full update bytes / lora update bytes>
+Last line:
+    RESULT lora_ratio=<ours/plain> full_ratio=<ours/plain> lora_bytes_ratio=<full / lora update bytes>
 (targets: both ratios >= 0.95 on CPU).
 """
 

@@ -471,7 +471,8 @@ class TokenCache:
         for split, info in index["splits"].items():
             f = path / info["file"]
             if not f.is_file() or f.stat().st_size != info["tokens"] * item:
-                raise DataError(f"token cache {path}: {split} tokens are damaged ({f}); delete the directory to rebuild")
+                raise DataError(f"token cache {path}: {split} tokens are damaged ({f}); delete the directory to "
+                                "rebuild")
         return TokenCache(path, index)
 
     def sequences(self, split: str, seq_len: int) -> PackedSequences:

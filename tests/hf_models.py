@@ -86,7 +86,8 @@ def tiny_gpt2(out_dir: Path, *, hidden: int = 64, layers: int = 2, heads: int = 
 
     tok = train_tokenizer(out_dir, vocab_size, context)
     cfg = GPT2Config(vocab_size=len(tok), n_embd=hidden, n_layer=layers, n_head=heads, n_positions=context,
-                     initializer_range=INIT_STD, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)
+                     initializer_range=INIT_STD, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+                     pad_token_id=tok.pad_token_id)
     torch.manual_seed(seed)
     return _save(GPT2LMHeadModel(cfg), tok, out_dir)
 

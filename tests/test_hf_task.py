@@ -14,7 +14,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from hf_models import gpt2_dir, llama_dir, model_dir, stdlib_text, write_corpus  # noqa: F401 - fixtures
+from hf_models import gpt2_dir, llama_dir, model_dir, write_corpus  # noqa: F401 - fixtures
 from site_trainer.tasks.hf_causal_lm import CausalLM, Options, OptionsError
 from site_trainer.text_data import DataError
 from site_trainer.workload import TaskContext

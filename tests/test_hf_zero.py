@@ -29,7 +29,8 @@ def results(tmp_path_factory, llama_dir, gpt2_dir):  # noqa: F811
     write_corpus(tmp / "corpus", files=3, bytes_per_file=4000)
     cases = [json.dumps({"name": f"{arch}-{name}", "model_dir": str(d), "corpus": str(tmp / "corpus" / "*"),
                          "lora": lora, "dtype": dtype, "reshard": reshard})
-             for arch, d in (("llama", llama_dir), ("gpt2", gpt2_dir)) for name, (lora, dtype, reshard) in CASES.items()]
+             for arch, d in (("llama", llama_dir), ("gpt2", gpt2_dir))
+             for name, (lora, dtype, reshard) in CASES.items()]
     out = tmp / "out.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",

@@ -186,9 +186,10 @@ class CausalLM(Task):
             raise OptionsError(f"model_dir: cannot load the weights in {self.model_dir}: {_first_line(err)}") from None
         missing = sorted(info.get("missing_keys") or ())
         if missing:
+            names = ", ".join(missing[:4]) + (", ..." if len(missing) > 4 else "")
             raise OptionsError(f"model_dir: the weights in {self.model_dir} lack {len(missing)} tensor(s) that "
-                               f"config.json's model needs ({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}); "
-                               "the checkpoint and config.json do not belong together: export both with save_pretrained")
+                               f"config.json's model needs ({names}); the checkpoint and config.json do not belong "
+                               "together: export both with save_pretrained")
         unexpected = info.get("unexpected_keys") or ()
         if unexpected:
             self.log.warning("model_dir %s: %d tensor(s) in the weights are not used by the model (%s)", self.model_dir,
