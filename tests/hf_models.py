@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sysconfig
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -26,13 +27,17 @@ INIT_STD = 0.1  # wider than the usual 0.02: a random tiny model then has some s
 PAD = "<|pad|>"
 
 
+@functools.lru_cache(maxsize=1)
+def stdlib_sources() -> tuple[Path, ...]:
+    """The standard library's top-level .py files, sorted (the same list on every machine with this Python)."""
+    return tuple(sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")))
+
+
 @functools.lru_cache(maxsize=4)
 def stdlib_text(max_bytes: int = 300_000) -> str:
     """Standard-library sources, module after module, up to `max_bytes` (the same on every call)."""
-    from site_trainer.workloads.slm import stdlib_modules
-
     out, size = [], 0
-    for path in stdlib_modules():
+    for path in stdlib_sources():
         text = path.read_text(encoding="utf-8", errors="replace")
         out.append(text)
         size += len(text)

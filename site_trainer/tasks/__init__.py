@@ -1,2 +1,2 @@
-"""Built-in tasks: ordinary `site_trainer.workload.Task` plug-ins, registered under the entry-point
-group `sovereign_fl.workloads` exactly as a user's task would be."""
+"""The built-in workloads, each an ordinary `site_trainer.workload.Task` registered as an entry point
+of group `sovereign_fl.workloads` (pyproject.toml): nothing in the framework knows them by name."""
