@@ -62,8 +62,7 @@ def plain(cfg_path: Path, steps: int, warmup: int = 0, timeout_s: float = 900) -
 class Service:
     """A real trainer service (torchrun, K ranks, `python -m site_trainer`) plus a relay-side driver."""
 
-    def __init__(self, tmp: Path, cfg_path: Path, start_timeout_s: float = 300,
-                 model: dict[str, np.ndarray] | None = None):
+    def __init__(self, tmp: Path, cfg_path: Path, start_timeout_s: float = 300):
         self.cfg = TrainerConfig.model_validate_json(cfg_path.read_text())
         self.sup = Supervisor(tmp)
         try:
@@ -76,7 +75,7 @@ class Service:
             self.sup.close()
             raise
         self.log = proc.log
-        self.model = model if model is not None else workloads.initial_weights(self.cfg.workload, 0)
+        self.model = workloads.initial_weights(self.cfg.workload, 0)
 
     def round(self, rnd: int, timeout_s: float = 600) -> tuple[float, dict]:
         """One Train request as the relay sends it; (relay seconds, the trainer's metrics plus

@@ -39,7 +39,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests"))
 
-import numpy as np  # noqa: E402
 from pydantic import ValidationError  # noqa: E402
 
 from _trainer_bench import Service, _child_env, torchrun  # noqa: E402
@@ -85,33 +84,30 @@ def trainer_config(tmp: Path, name: str, options: dict, args) -> Path:
             "lr": args.lr, "optimizer": "adamw", "warmup_steps": args.warmup, "lr_schedule": "cosine"}
     try:
         cfg = TrainerConfig(site=SiteConfig(**site), workload=WorkloadConfig(task="hf-causal-lm", options=options),
-                            num_partitions=1, seed=0, socket=str(tmp / f"{name}.sock"), workdir=str(tmp / name))
+                            num_partitions=1, seed=0, rounds=args.rounds + 1, socket=str(tmp / f"{name}.sock"),
+                            workdir=str(tmp / name))
     except (ValidationError, ValueError, TypeError) as err:
         raise NotRunnable(f"this checkout's trainer service cannot be configured with the hf-causal-lm task and a "
                           f"warm-up + cosine schedule ({str(err).splitlines()[0]} ...); it needs the workload "
                           "machinery of issue 10 (Task loader, session, schedule)") from None
+    tmp.mkdir(parents=True, exist_ok=True)
     path = tmp / f"{name}.json"
     path.write_text(cfg.model_dump_json())
     return path
 
 
-def initial_global(options: dict, seed: int = 0) -> dict[str, np.ndarray]:
-    """What the coordinator sends first: the task's exchanged tensors (LoRA: the adapters), float32."""
-    import torch
-
+def parameter_count(options: dict) -> int:
     from site_trainer.tasks.hf_causal_lm import CausalLM
     from site_trainer.workload import TaskContext
 
-    task = CausalLM(CausalLM.Options.model_validate(options), TaskContext(role="coordinator", seed=seed))
-    torch.manual_seed(seed)
-    model = task.build_model()
-    state = model.state_dict()
-    return {n: state[n].detach().float().numpy().copy() for n in task.exchanged(model)}
+    task = CausalLM(CausalLM.Options.model_validate(options), TaskContext(role="coordinator"))
+    return sum(p.numel() for p in task.build_model().parameters())
 
 
 def ours(tmp: Path, options: dict, args) -> tuple[float, int]:
     """(tokens/s over the timed rounds, update bytes per round)."""
-    relay = Service(tmp, trainer_config(tmp, "svc", options, args), start_timeout_s=600, model=initial_global(options))
+    # the first global model comes from the task, as on the coordinator (site_trainer.workloads.initial_weights)
+    relay = Service(tmp, trainer_config(tmp, "svc", options, args), start_timeout_s=600)
     try:
         relay.round(0)  # warm-up: the plain loop's untimed steps
         tokens, seconds, sizes = 0, 0.0, set()
@@ -144,7 +140,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="sovfl-hfbench-") as d:
         tmp = Path(d)
         model_dir, files = build_inputs(tmp, args)
-        params = sum(v.size for v in initial_global(task_options(model_dir, tmp, args.seq_len, None)).values())
+        params = parameter_count(task_options(model_dir, tmp, args.seq_len, None))
         print(f"model: Llama-style, {params:,} parameters ({args.layers} layers, width {args.hidden}, vocabulary "
               f"{args.vocab}); {args.ranks} rank(s), {args.rounds} rounds x {args.steps} steps, {args.batch} x "
               f"{args.seq_len} tokens per rank per step", flush=True)
