@@ -2,14 +2,16 @@
 
 One run, side by side, for LoRA and for full fine-tuning of the same local model on the same text:
   plain — benchmarks/_plain_hf.py under torchrun: from_pretrained, peft, the text tokenized in
-          memory, DDP, fused AdamW, transformers' warm-up + cosine schedule; `--steps` untimed
-          steps, then rounds x steps timed steps;
+          memory, DDP, fused AdamW, transformers' warm-up + cosine schedule; a few untimed steps,
+          then `--steps` timed steps;
   ours  — the trainer service (`python -m site_trainer` under torchrun) running the built-in task
           `hf-causal-lm`, driven as the Flower relay drives it: per round the global tensors go
           into a shared-memory hand-off file, a Train request crosses the Unix socket, the ranks
           load, train `--steps` steps and hand the update back through rank 0's hand-off file,
-          which the relay reads in full. One warm-up round, then `--rounds` timed rounds; the time
-          is the relay's wall time, so the hand-off both ways and the token cache reads are in it.
+          which the relay reads in full. One warm-up round, then timed rounds; the time is the
+          relay's wall time, so the hand-off both ways and the token cache reads are in it.
+The two alternate (`--repeats` plain runs and service rounds, the service started once per mode),
+so that the load of a shared machine hits both alike; the best of each side is compared.
 Tokens/s count input tokens (sequences x seq_len). Bytes per round are the bytes of the update the
 trainer actually handed off (its hand-off entries), for each mode.
 
@@ -17,7 +19,7 @@ The model: a Llama-style model built here from a config (random weights, `--hidd
 a byte-level BPE tokenizer trained on stdlib text), saved with save_pretrained to a temporary
 directory; the text: Python standard-library sources as .txt files. Nothing is downloaded.
 
-    python benchmarks/hf_finetune.py [--ranks 1] [--rounds 3] [--steps 20] [--repeats 2]
+    python benchmarks/hf_finetune.py [--ranks 1] [--steps 20] [--repeats 5]
 
 Last line:
     RESULT lora_ratio=<ours/plain> full_ratio=<ours/plain> lora_bytes_ratio=<full / lora update bytes>
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -104,31 +107,40 @@ def parameter_count(options: dict) -> int:
     return sum(p.numel() for p in task.build_model().parameters())
 
 
-def ours(tmp: Path, options: dict, args) -> tuple[float, int]:
-    """(tokens/s over the timed rounds, update bytes per round)."""
-    # the first global model comes from the task, as on the coordinator (site_trainer.workloads.initial_weights)
-    relay = Service(tmp, trainer_config(tmp, "svc", options, args), start_timeout_s=600)
+def measure(tmp: Path, mode: str, options: dict, spec: dict, args, run_ours: bool) -> dict:
+    """Alternate, `--repeats` times, one plain run of `--steps` timed steps and one timed round of
+    the service (started once, after a warm-up round), so that the machine's load hits both sides
+    alike; tokens/s per side (best and median) and the update bytes of every timed round."""
+    relay = None
+    if run_ours:  # the first global model comes from the task, as on the coordinator (workloads.initial_weights)
+        relay = Service(tmp / mode, trainer_config(tmp / mode, "svc", options, args), start_timeout_s=600)
     try:
-        relay.round(0)  # warm-up: the plain loop's untimed steps
-        tokens, seconds, sizes = 0, 0.0, set()
-        for r in range(1, args.rounds + 1):
-            wall, m = relay.round(r)
-            tokens += m["samples_seen"] * args.seq_len
-            seconds += wall
-            sizes.add(m["update_bytes"])
-        if len(sizes) != 1:
-            raise SystemExit(f"update sizes differ between rounds: {sorted(sizes)}")
-        return tokens / seconds, sizes.pop()
+        if relay is not None:
+            relay.round(0)  # warm-up, like the plain loop's untimed steps
+        plain_tps, ours_tps, sizes = [], [], set()
+        for i in range(args.repeats):
+            plain_tps.append(plain(tmp, spec, args.ranks)["tokens_per_s"])
+            line = f"  {mode} {i}: plain {plain_tps[-1]:,.0f} tokens/s"
+            if relay is not None:
+                wall, m = relay.round(i + 1)
+                ours_tps.append(m["samples_seen"] * args.seq_len / wall)
+                sizes.add(m["update_bytes"])
+                line += f", ours {ours_tps[-1]:,.0f} tokens/s, update {m['update_bytes']:,} bytes"
+            print(line, flush=True)
     finally:
-        relay.close()
+        if relay is not None:
+            relay.close()
+    if len(sizes) > 1:
+        raise SystemExit(f"{mode}: update sizes differ between rounds: {sorted(sizes)}")
+    return {"plain": plain_tps, "ours": ours_tps, "bytes": sizes.pop() if sizes else 0}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, default=1, help="ranks of the site (and of the plain loop)")
-    ap.add_argument("--rounds", type=int, default=3, help="timed rounds (ours); the plain loop runs rounds x steps")
-    ap.add_argument("--steps", type=int, default=20, help="local steps per round")
-    ap.add_argument("--repeats", type=int, default=2, help="best of N for each side (shared machines are noisy)")
+    ap.add_argument("--steps", type=int, default=20, help="local steps per round, and timed steps per plain run")
+    ap.add_argument("--repeats", type=int, default=5, help="plain runs and service rounds, alternated; best of each "
+                                                           "is compared (shared machines are noisy)")
     ap.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--hidden", type=int, default=256)
@@ -137,13 +149,14 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup", type=int, default=5)
     args = ap.parse_args()
+    args.rounds = args.repeats  # the service's run length, for its cosine schedule
     with tempfile.TemporaryDirectory(prefix="sovfl-hfbench-") as d:
         tmp = Path(d)
         model_dir, files = build_inputs(tmp, args)
         params = parameter_count(task_options(model_dir, tmp, args.seq_len, None))
         print(f"model: Llama-style, {params:,} parameters ({args.layers} layers, width {args.hidden}, vocabulary "
-              f"{args.vocab}); {args.ranks} rank(s), {args.rounds} rounds x {args.steps} steps, {args.batch} x "
-              f"{args.seq_len} tokens per rank per step", flush=True)
+              f"{args.vocab}); {args.ranks} rank(s), {args.repeats} x {args.steps} timed steps per side, "
+              f"{args.batch} x {args.seq_len} tokens per rank per step", flush=True)
         try:
             trainer_config(tmp / "probe", "probe", task_options(model_dir, tmp, args.seq_len, LORA), args)
             missing = None
@@ -152,31 +165,22 @@ def main() -> None:
             print(f"ours: cannot run in this checkout: {err}; timing the plain loop only, no RESULT", flush=True)
         results: dict[str, dict] = {}
         for mode, lora in (("lora", LORA), ("full", None)):
-            options = task_options(model_dir, tmp, args.seq_len, lora)
             spec = {"model_dir": str(model_dir), "files": [str(f) for f in files], "seq_len": args.seq_len,
                     "batch_size": args.batch, "grad_accum": 1, "lr": args.lr, "warmup_steps": args.warmup,
-                    "total_steps": (args.rounds + 1) * args.steps, "lora": lora, "steps": args.rounds * args.steps,
-                    "untimed_steps": args.steps, "bf16": False, "seed": 0}
-            p_runs, o_runs, nbytes = [], [], 0
-            for i in range(args.repeats):  # interleaved so that machine load hits both sides alike
-                p_runs.append(plain(tmp, spec, args.ranks)["tokens_per_s"])
-                line = f"  {mode} repeat {i}: plain {p_runs[-1]:,.0f} tokens/s"
-                if missing is None:
-                    tps, nbytes = ours(tmp / f"{mode}{i}", options, args)
-                    o_runs.append(tps)
-                    line += f", ours {tps:,.0f} tokens/s, update {nbytes:,} bytes/round"
-                print(line, flush=True)
-            if missing is not None:
-                print(f"{mode}: plain {max(p_runs):,.0f} tokens/s", flush=True)
-                continue
-            r = results[mode] = {"plain": max(p_runs), "ours": max(o_runs), "bytes": nbytes}
-            print(f"{mode}: plain {r['plain']:,.0f} tokens/s, ours {r['ours']:,.0f} tokens/s (ratio "
-                  f"{r['ours'] / r['plain']:.3f}); update {r['bytes']:,} bytes per round", flush=True)
+                    "total_steps": 2 * args.steps, "lora": lora, "steps": args.steps, "untimed_steps": 3,
+                    "bf16": False, "seed": 0}
+            r = results[mode] = measure(tmp, mode, task_options(model_dir, tmp, args.seq_len, lora), spec, args,
+                                        missing is None)
+            line = f"{mode}: plain best {max(r['plain']):,.0f} (median {statistics.median(r['plain']):,.0f}) tokens/s"
+            if missing is None:
+                line += (f", ours best {max(r['ours']):,.0f} (median {statistics.median(r['ours']):,.0f}) tokens/s, "
+                         f"ratio {max(r['ours']) / max(r['plain']):.3f}; update {r['bytes']:,} bytes per round")
+            print(line, flush=True)
         if missing is not None:
             raise SystemExit(2)
         lo, fu = results["lora"], results["full"]
-        print(f"RESULT lora_ratio={lo['ours'] / lo['plain']:.3f} full_ratio={fu['ours'] / fu['plain']:.3f} "
-              f"lora_bytes_ratio={fu['bytes'] / lo['bytes']:.1f}")
+        print(f"RESULT lora_ratio={max(lo['ours']) / max(lo['plain']):.3f} "
+              f"full_ratio={max(fu['ours']) / max(fu['plain']):.3f} lora_bytes_ratio={fu['bytes'] / lo['bytes']:.1f}")
 
 
 if __name__ == "__main__":
