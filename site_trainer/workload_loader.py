@@ -174,4 +174,10 @@ def build_task(cfg: WorkloadConfig, ctx: TaskContext, options: dict[str, Any] | 
         raise WorkloadError("this workload is a script (workload.script): it has no Task to build")
     cls = task_class(cfg.task)
     opts = options if options is not None else cfg.options
-    return cls(validate_options(cls, opts, "workload.options", repr(cfg.task)), ctx)
+    validated = validate_options(cls, opts, "workload.options", repr(cfg.task))
+    try:
+        return cls(validated, ctx)
+    except WorkloadError:
+        raise
+    except ValueError as err:  # a task refuses what its options point at (a model directory, a data glob)
+        raise WorkloadError(f"task {cfg.task!r} on site {ctx.site}: {err}") from None
