@@ -26,7 +26,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-MANIFEST_VERSION = 1
+from site_trainer.manifest import MANIFEST_VERSION, manifest_mismatch  # noqa: F401 - the manifest's home
+
 
 # Logical dtypes that numpy cannot hold travel as unsigned words of the same size.
 _RAW = {torch.bfloat16: "<u2", torch.float8_e4m3fn: "|u1", torch.float8_e5m2: "|u1"}
@@ -184,24 +185,3 @@ class FrozenDigest:
 
     def hexdigest(self) -> str:
         return self._h.hexdigest()
-
-
-def manifest_mismatch(expected: dict, got: dict) -> str | None:
-    """Why a site's manifest cannot join the coordinator's (None when it can): for the federation's
-    first-round check. Names the first differing tensor or the frozen-weights fingerprints."""
-    want = {n: (d, tuple(s)) for n, d, s, _ in expected.get("exchanged", [])}
-    have = {n: (d, tuple(s)) for n, d, s, _ in got.get("exchanged", [])}
-    if want != have:
-        missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
-        if missing or extra:
-            return f"exchanged tensors differ: missing {missing[:5]}, unexpected {extra[:5]}"
-        name = next(n for n in want if want[n] != have[n])
-        return f"exchanged tensor {name}: site has {have[name][0]}{list(have[name][1])}, " \
-               f"coordinator {want[name][0]}{list(want[name][1])}"
-    fw, fg = expected.get("frozen", {}), got.get("frozen", {})
-    if fw.get("sha256") != fg.get("sha256"):
-        return (f"frozen base weights differ: site {fg.get('tensors')} tensor(s), {fg.get('numel')} values, sha256 "
-                f"{str(fg.get('sha256'))[:16]}; coordinator {fw.get('tensors')} tensor(s), {fw.get('numel')} values, "
-                f"sha256 {str(fw.get('sha256'))[:16]}: start the site from the coordinator's base model")
-    return None
-

@@ -182,13 +182,18 @@ class Task(ABC):
 
         Default: `model.safetensors` holding the model's state dict (`merge` does not apply).
         """
-        from safetensors.torch import save_file
+        return [save_state_dict(model, out_dir)]
 
-        out_dir.mkdir(parents=True, exist_ok=True)
-        path = out_dir / "model.safetensors"
-        state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-        save_file(_untied(state), str(path))
-        return [path]
+
+def save_state_dict(model: nn.Module, out_dir: Path) -> Path:
+    """`out_dir/model.safetensors`: the model's state dict, a tied tensor once (under its first name)."""
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "model.safetensors"
+    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    save_file(_untied(state), str(path))
+    return path
 
 
 def _untied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -33,19 +33,23 @@ def coordinator_model(cfg: WorkloadConfig, seed: int):
 def initial_weights(cfg: WorkloadConfig, seed: int) -> dict[str, np.ndarray]:
     """The global model's starting point: the exchanged tensors as they travel (wire dtype, e.g.
     float32; bfloat16 as raw 2-byte words, see `layout.wire_dtype`), keyed by state-dict name."""
-    model, names = coordinator_model(cfg, seed)
-    lay = layout.Layout.of(model, names)
-    entries = layout.named_tensors(model)
-    return {s.name: layout.to_wire(entries[s.name].detach().cpu().contiguous()).copy() for s in lay.exchanged}
+    return coordinator_start(cfg, seed)[0]
 
 
 def manifest(cfg: WorkloadConfig, seed: int) -> dict:
     """What every site's trainer must report in its `Info` reply's `manifest` (see `layout.Layout.manifest`):
     the exchanged names, shapes and dtypes and the SHA-256 of the frozen (non-exchanged) tensors."""
+    return coordinator_start(cfg, seed)[1]
+
+
+def coordinator_start(cfg: WorkloadConfig, seed: int) -> tuple[dict[str, np.ndarray], dict]:
+    """(`initial_weights`, `manifest`) from one build of the model: the ServerApp needs both, and a
+    pretrained model is worth loading once."""
     model, names = coordinator_model(cfg, seed)
     lay = layout.Layout.of(model, names)
     entries = layout.named_tensors(model)
+    initial = {s.name: layout.to_wire(entries[s.name].detach().cpu().contiguous()).copy() for s in lay.exchanged}
     digest = layout.FrozenDigest()
     for name in lay.frozen:
         digest.update(name, entries[name].detach().cpu())
-    return lay.manifest(digest)
+    return initial, lay.manifest(digest)

@@ -32,6 +32,7 @@ from federation.coordinator.aggregate import ServerOptimizer
 from federation.coordinator.checkpoint import save_checkpoint
 from federation.coordinator.downlink_sender import DownlinkSender
 from federation.coordinator.evaluation import Evaluation
+from federation.coordinator.manifest_check import BaseCheck
 from federation.coordinator.plain_round import PlainRound
 from federation.coordinator.strategy import Exchange, ExchangeResult, Reply, RoundInput, RoundOutcome, Site, Strategy
 from federation.protocol import message_keys as keys
@@ -40,6 +41,7 @@ from federation.protocol.payload_records import record_bytes
 from federation.protocol.pipeline import RoundContext
 from federation.protocol.round_config import RoundConfig
 from federation.protocol.update_codec import round_seed
+from federation.protocol.wire_dtypes import to_master
 
 __all__ = ["Coordinator", "FederationFailed", "Site"]
 
@@ -65,11 +67,12 @@ class Coordinator:
 
     def __init__(self, grid: Grid | None, cfg: ExperimentConfig, workdir: Path, run_id: int,
                  initial: Arrays, progress: Callable[[str], None] | None = None,
-                 bundle: CoordinatorBundle | None = None):
+                 bundle: CoordinatorBundle | None = None, manifest: dict | None = None):
         self.grid, self.cfg, self.workdir, self.run_id = grid, cfg, Path(workdir), run_id
         self.fed = cfg.federation
-        self.model = initial
-        self.spec = {k: (v.dtype.str, tuple(v.shape)) for k, v in initial.items()}
+        self.spec = {k: (v.dtype.str, tuple(v.shape)) for k, v in initial.items()}  # updates as they travel
+        self.model = to_master(initial, self.spec)  # float32 where bf16 travels as raw words
+        self.base_check = BaseCheck(manifest)  # the task's manifest: sites with another base are refused
         self.opt = ServerOptimizer(self.fed.strategy, self.fed.update_kind, self.fed.effective_server_lr,
                                    self.fed.server_beta1, self.fed.server_beta2, self.fed.server_tau)
         self.bundle = bundle
@@ -225,13 +228,15 @@ class Coordinator:
             if site not in known:
                 self.progress(f"ignoring node {node}: site '{site}' is not in the configuration")
                 continue
+            if not self.base_check.admit(site, reply.status, self.rejections, self.progress):
+                continue
             self.sites[node] = Site(node, site, int(reply.status["num_examples"]))
         for name, reason in res.failed.items():
             self.progress(f"site discovery: {name} failed: {reason}")
         if len(self.sites) < self.fed.quorum:
             raise FederationFailed(
                 f"only {len(self.sites)} site(s) ready ({sorted(s.name for s in self.sites.values())}) "
-                f"within {self.fed.deadlines.connect_s:.0f}s; quorum is {self.fed.quorum}"
+                f"within {self.fed.deadlines.connect_s:.0f}s; quorum is {self.fed.quorum}{self.base_check.summary()}"
             )
         self.progress("sites: " + ", ".join(f"{s.name} ({s.num_examples} examples)" for s in self.sites.values()))
 
@@ -272,6 +277,7 @@ class Coordinator:
         self.rejections.update(out.rejections)
         for name, reason in out.failed.items():
             self.progress(f"round {rnd}: site {name} excluded: {reason}")
+        out.failed.update(self.base_check.refused)
         if admission is not None:
             out.failed.update(admission.excluded)
             out.extra["attestation"] = admission.metrics()

@@ -19,6 +19,7 @@ from federation.protocol.codecs import UpdateSpec
 from federation.protocol.payload_records import from_records
 from federation.protocol.pipeline import Pipeline, UpdateRejected, check_update
 from federation.protocol.update_codec import CodecStage
+from federation.protocol.wire_dtypes import master_spec, to_master
 
 
 @dataclass
@@ -63,11 +64,12 @@ class PlainRound:
         try:
             payload = from_records(content, keys.UPDATE, keys.UPDATE_META)
             payload = st.pipeline.decode(payload, st.inp.ctx.for_site(reply.name))
-            check_update(payload.arrays, st.inp.spec)
+            arrays = to_master(payload.arrays, st.inp.spec)  # bf16 words: exact float32 (accumulated so)
+            check_update(arrays, master_spec(st.inp.spec))
             n = int(reply.status["num_examples"])
             if n <= 0:
                 raise UpdateRejected("bad_num_examples", f"num_examples is {n}")
-            st.mean.add(payload.arrays, n)
+            st.mean.add(arrays, n)
         except UpdateRejected as err:
             st.out.reject(reply.name, err.reason, err.detail)
             return

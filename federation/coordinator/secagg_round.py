@@ -85,6 +85,7 @@ from federation.protocol.secagg_records import (
     request_record,
     signature_of,
 )
+from federation.protocol.wire_dtypes import master_spec
 
 
 def rejection_reason(err: Exception) -> str:
@@ -346,8 +347,9 @@ class SecAggRound:
             info["unmask_missing"] = late
         try:
             mean = st.dense(result.decode())
-            mean = {k: v.astype(np.dtype(st.inp.spec[k][0]), copy=False) for k, v in mean.items()}
-            check_update(mean, st.inp.spec)
+            spec = master_spec(st.inp.spec)  # bf16 tensors are kept and averaged in float32
+            mean = {k: v.astype(np.dtype(spec[k][0]), copy=False) for k, v in mean.items()}
+            check_update(mean, spec)
         except (UpdateRejected, SecAggError, ValueError, KeyError) as err:
             raise SecAggAbort(f"the unmasked sum does not decode to an update of the model: {err}") from None
         out.mean, out.count = mean, len(contributors)

@@ -14,6 +14,7 @@ from crypto.pki import CoordinatorBundle
 from federation.config import AttestationConfig, resolve
 from federation.config.schema import ConfigError, load_config
 from federation.coordinator.driver import Coordinator, FederationFailed
+from federation.coordinator.run_record import record_workload
 
 app = ServerApp()
 log = logging.getLogger("sovfl.server")
@@ -55,9 +56,10 @@ def main(grid: Grid, context: Context) -> None:
         except ValueError as err:
             raise ConfigError(str(err)) from None
         cfg = cfg.model_copy(update={"federation": cfg.federation.model_copy(update={"attestation": att})})
-        from site_trainer.workloads import initial_weights  # torch lives only in this process
+        from site_trainer.workloads import coordinator_start  # torch lives only in this process
 
-        initial = initial_weights(cfg.workload, cfg.federation.seed)
+        initial, manifest = coordinator_start(cfg.workload, cfg.federation.seed)
+        record_workload(workdir, cfg)
         progress(f"federation '{cfg.federation.name}': {cfg.federation.rounds} round(s), {len(cfg.sites)} site(s), "
                  f"strategy {cfg.federation.strategy}, model {sum(v.size for v in initial.values()):,} parameters")
         bundle_dir = str(context.run_config.get("bundle-dir") or "")
@@ -75,7 +77,7 @@ def main(grid: Grid, context: Context) -> None:
             progress(f"coordinator identity '{bundle.name}' in federation {bundle.federation_id}: {how}")
         if att.enabled:
             progress(attestation_line(att))
-        result = Coordinator(grid, cfg, workdir, context.run_id, initial, progress, bundle).run()
+        result = Coordinator(grid, cfg, workdir, context.run_id, initial, progress, bundle, manifest).run()
     except (ConfigError, FederationFailed) as err:
         progress(f"FAILED: {err}")
         result = {"status": "failed", "error": str(err)}

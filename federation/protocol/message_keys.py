@@ -27,6 +27,7 @@ SECAGG_CHUNKS = "secagg_chunks"  # ArrayRecord: one uint32 Array per masked chun
 
 # fields of STATUS
 MODEL_DIGEST = "model_digest"  # the model a site holds after a downlink message
+MANIFEST = "manifest"  # discovery reply: the site's base-model manifest, JSON (coordinator/manifest_check.py)
 
 # SecAgg+ stages (crypto/secagg): 1, 2 and 4 travel in query messages, 3 in the train message
 ADVERTISE, SHARE_KEYS, MASKED_INPUT, UNMASK = 1, 2, 3, 4

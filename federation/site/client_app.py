@@ -19,6 +19,8 @@ the site and says what went wrong (or, in SecAgg stage 3, a Flower error reply).
 
 from __future__ import annotations
 
+import json
+
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
@@ -41,14 +43,16 @@ def service_trainer(env: SiteEnv) -> ServiceTrainer:
 
 
 def query(msg: Message, context: Context) -> Message:
-    """Site discovery: who this site is and how much data it trains on."""
+    """Site discovery: who this site is, how much data it trains on and its base-model manifest."""
     env = site_env(context)
     try:
         info = env.trainer.info()
     except TrainerFailed as err:
         return fail(msg, env.site, str(err))
+    # the base-model manifest rides on this reply (checked by the coordinator before the first round)
+    manifest = {keys.MANIFEST: json.dumps(info["manifest"], separators=(",", ":"))} if info.get("manifest") else {}
     return Message(RecordDict({keys.STATUS: status(env.site, True, num_examples=info["num_examples"],
-                                                   ranks=info["ranks"])}), reply_to=msg)
+                                                   ranks=info["ranks"], **manifest)}), reply_to=msg)
 
 
 def _trainer_call(msg: Message, context: Context, method: str) -> tuple[SiteEnv, TrainResult | EvalResult | Message]:

@@ -32,6 +32,15 @@ MetaValue = Union[int, float, str]
 
 _MAX_SEED = 2**63 - 1  # fits Flower ConfigRecord's signed 64-bit ints
 
+#: bfloat16, which numpy lacks, travels as its raw 2-byte words (site_trainer/layout.py); an exchanged
+#: tensor is never an integer, so a uint16 update tensor is always bf16
+RAW_BF16 = np.dtype("<u2")
+
+
+def bf16_to_float32(bits: np.ndarray) -> np.ndarray:
+    """bf16 bit patterns (uint16) -> float32, exactly."""
+    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
 
 @dataclass(frozen=True)
 class CodecRound:
@@ -108,12 +117,16 @@ class UpdateSpec:
             arr = update[name]
             if not isinstance(arr, np.ndarray) or tuple(arr.shape) != shape:
                 raise UpdateError(f"update tensor {name!r} has shape {getattr(arr, 'shape', None)}, expected {shape}")
-            if arr.dtype.kind != "f":
-                raise UpdateError(f"update tensor {name!r} has dtype {arr.dtype}; updates must be floating point")
+            if arr.dtype == RAW_BF16:  # a bfloat16 tensor as it travels (raw words): its exact float32 values
+                arr = bf16_to_float32(arr)
+            elif arr.dtype.kind != "f":
+                raise UpdateError(f"update tensor {name!r} has dtype {arr.dtype}; updates must be floating point "
+                                  "(or bfloat16 as raw <u2 words)")
             out[offset : offset + size] = arr.reshape(-1)
             offset += size
         if not np.isfinite(out).all():
-            bad = [n for n in self.names if not np.isfinite(update[n]).all()]
+            ends = np.cumsum(self.sizes)
+            bad = [n for n, end, size in zip(self.names, ends, self.sizes) if not np.isfinite(out[end - size:end]).all()]
             raise UpdateError(
                 f"update tensors {bad} contain NaN or Inf (local training diverged?); do not send this update"
             )

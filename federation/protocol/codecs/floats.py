@@ -14,7 +14,7 @@ from typing import Mapping
 
 import numpy as np
 
-from .base import Arrays, payload_array
+from .base import Arrays, bf16_to_float32, payload_array
 from .codec_errors import NonFiniteValueError
 from .coders import ValueCoder
 
@@ -75,11 +75,6 @@ def bf16_bits(values: np.ndarray) -> np.ndarray:
     if overflow.any():
         rounded[overflow] = (rounded[overflow] & np.uint16(0x8000)) | np.uint16(0x7F7F)
     return rounded
-
-
-def bf16_to_float32(bits: np.ndarray) -> np.ndarray:
-    """bf16 bit patterns (uint16) -> float32, exactly."""
-    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
 class Bf16Values(ValueCoder):

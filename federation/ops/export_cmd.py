@@ -1,0 +1,136 @@
+"""`sovfl export RUN_DIR --out DIR [--merge]`: a run's global model as files other tools load.
+
+The coordinator's checkpoints hold only what travels (for LoRA: the adapters). Export rebuilds the
+model as the coordinator did (the run's `workload.json`, or `--config`; torch seeded with the
+federation's seed, so the pretrained base comes from the task's model directory), loads the
+checkpoint's tensors into it, and lets the task write its artefact (`Task.export`): for
+`hf-causal-lm` a `save_pretrained` directory (the adapter; with `--merge` the merged full model)
+that `AutoModelForCausalLM.from_pretrained` loads; for other tasks and script workloads
+`model.safetensors` with the state dict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from federation.config.schema import ConfigError, load_config
+from federation.coordinator.checkpoint import load_checkpoint
+from federation.coordinator.run_record import RECORD, WorkloadRecord, read_workload
+
+
+class ExportError(RuntimeError):
+    """The run cannot be exported; the message names the file and the fix."""
+
+
+def find_checkpoint(run_dir: Path, rnd: int | None) -> Path:
+    """The checkpoint of round `rnd` (None: the latest) in `run_dir`."""
+    if not run_dir.is_dir():
+        raise ExportError(f"{run_dir}: no such run directory; give the --workdir of a `sovfl simulate` or "
+                          "`sovfl coordinator` run")
+    ckpts = run_dir / "checkpoints"
+    path = ckpts / ("latest.npz" if rnd is None else f"round_{rnd:04d}.npz")
+    if not path.exists():
+        have = sorted(p.name for p in ckpts.glob("round_*.npz")) if ckpts.is_dir() else []
+        if not have:
+            raise ExportError(f"{run_dir}: no checkpoint ({ckpts}/round_*.npz): the run aggregated no round yet; "
+                              "see its metrics.jsonl and progress.log")
+        raise ExportError(f"{path}: no such checkpoint; this run has {', '.join(have[-5:])}")
+    return path
+
+
+def run_workload(run_dir: Path, config: str | None) -> WorkloadRecord:
+    """The run's workload: from `--config` when given, else from the run's own record."""
+    if config is not None:
+        cfg = load_config(config)
+        return WorkloadRecord(cfg.workload, cfg.federation.seed, Path.cwd())
+    try:
+        return read_workload(run_dir)
+    except FileNotFoundError:
+        raise ExportError(f"{run_dir}: no {RECORD} (the coordinator writes it when a run starts); pass the run's "
+                          "configuration file with --config FILE") from None
+    except ValueError as err:
+        raise ExportError(f"{run_dir / RECORD}: unusable ({err}); pass the run's configuration with --config FILE") \
+            from None
+
+
+def load_global(model, weights: dict[str, np.ndarray], exchanged: list[str]) -> None:
+    """Write the checkpoint's tensors into `model` (bf16 tensors from float32 or raw words)."""
+    import torch
+
+    from site_trainer import layout
+
+    tensors = layout.named_tensors(model)
+    names = layout.Layout.of(model, exchanged).names
+    missing, extra = sorted(set(names) - set(weights)), sorted(set(weights) - set(names))
+    if missing or extra:
+        raise ExportError(f"the checkpoint does not belong to this workload: missing {missing[:3]}, unexpected "
+                          f"{extra[:3]}; export with the run's own configuration")
+    with torch.no_grad():
+        for name in names:
+            t, arr = tensors[name], weights[name]
+            if tuple(arr.shape) != tuple(t.shape):
+                raise ExportError(f"checkpoint tensor {name} has shape {tuple(arr.shape)}, the model {tuple(t.shape)}; "
+                                  "export with the run's own configuration")
+            t.copy_(layout.from_wire(np.ascontiguousarray(arr), t.dtype))
+
+
+def export_run(run_dir: Path, out: Path, merge: bool = False, rnd: int | None = None,
+               config: str | None = None) -> tuple[int, list[Path]]:
+    """Export `run_dir`'s checkpoint of round `rnd` (latest) into `out`; returns (round, files written)."""
+    import torch
+
+    from site_trainer import workload_loader
+    from site_trainer.workload import TaskContext, save_state_dict
+
+    path = find_checkpoint(run_dir, rnd)
+    record = run_workload(run_dir, config)
+    done, weights, _ = load_checkpoint(path)
+    out = Path(out).absolute()
+    # relative paths in the options (a model directory) are where the coordinator ran
+    where = contextlib.chdir(record.cwd) if record.cwd.is_dir() else contextlib.nullcontext()
+    with where:
+        torch.manual_seed(record.seed)
+        wl = record.workload
+        if wl.task is None:
+            model = workload_loader.model_factory(wl.model or "")(dict(wl.options))
+            exchanged = [n for n, p in model.named_parameters() if p.requires_grad]
+            load_global(model, weights, exchanged)
+            return done, [save_state_dict(model, out)]
+        task = workload_loader.build_task(wl, TaskContext(role="export", seed=record.seed))
+        model = task.build_model()
+        load_global(model, weights, list(task.exchanged(model)))
+        return done, task.export(model, out, merge=merge)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """`sovfl export`: write the run's global model; the files written, one a line."""
+    try:
+        done, files = export_run(Path(args.run_dir), Path(args.out), args.merge, args.round, args.config)
+    except (ExportError, FileExistsError) as err:
+        print(f"sovfl export: {err}", file=sys.stderr)
+        return 1
+    except (ConfigError, ValueError) as err:  # the workload no longer builds (a moved model directory, ...)
+        print(f"sovfl export: {args.run_dir}: cannot rebuild the run's model: {err}", file=sys.stderr)
+        return 1
+    print(f"exported the global model of round {done} from {args.run_dir} to {args.out} ({len(files)} file(s)):")
+    for f in files:
+        print(f"  {f}")
+    return 0
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    """Register `sovfl export` on the CLI's subparsers."""
+    p = sub.add_parser("export", help="write a run's global model as files Hugging Face or safetensors load")
+    p.add_argument("run_dir", help="the run's directory (its --workdir): checkpoints/ and workload.json")
+    p.add_argument("--out", required=True, help="a new or empty directory to write into")
+    p.add_argument("--merge", action="store_true", help="LoRA: write the merged full model (the adapter goes to "
+                                                        "OUT/adapter)")
+    p.add_argument("--round", type=int, help="export this round's checkpoint (default: the latest)")
+    p.add_argument("--config", help="the run's configuration file, for a run directory without workload.json")
+    p.set_defaults(fn=cmd_export)
+    return p
