@@ -107,14 +107,16 @@ def simulated_sites(trainers: list[FunctionTrainer], seed: int) -> list[InProces
             for s, t in enumerate(trainers)]
 
 
-def coordinator(workdir: Path, model: dict, sites: list[InProcessSite], **federation) -> Coordinator:
-    """The real coordinator of an in-process federation of `sites`, after site discovery. Call it
-    (and its rounds) inside `task_identity(RUN_ID)`."""
+def coordinator(workdir: Path, model: dict, sites: list[InProcessSite], manifest: dict | None = None,
+                **federation) -> Coordinator:
+    """The real coordinator of an in-process federation of `sites`, after site discovery (sites are
+    checked against `manifest` when given). Call it (and its rounds) inside `task_identity(RUN_ID)`."""
     cfg = ExperimentConfig.model_validate({
         "federation": {"name": "fedsim", "evaluate": False, "quorum": 1, **federation},
         "sites": [{"id": s.name, "partition": i} for i, s in enumerate(sites)],
     })
-    coord = Coordinator(InProcessGrid(sites, RUN_ID), cfg, workdir / "coordinator", RUN_ID, model, lambda line: None)
+    coord = Coordinator(InProcessGrid(sites, RUN_ID), cfg, workdir / "coordinator", RUN_ID, model, lambda line: None,
+                        manifest=manifest)
     coord.wait_for_sites()
     return coord
 

@@ -22,7 +22,8 @@ def pki(tmp_path_factory):
 
 
 def _payload():
-    return Payload({"w": np.arange(12, dtype=np.float32).reshape(3, 4), "i": np.array([1, 5], np.int32)},
+    return Payload({"w": np.arange(12, dtype=np.float32).reshape(3, 4), "i": np.array([1, 5], np.int32),
+                    "bf16": np.array([0x3F80, 0xBFC0], "<u2")},  # bfloat16 1.0, -1.5 as raw words
                    {"codec.codec": "identity", "n": 3})
 
 
@@ -38,6 +39,7 @@ def test_signed_and_sealed_roundtrip(pki, seal):
     assert (raw in wire.arrays["envelope"].tobytes()) is (not seal)  # sealed: the plaintext is gone
     back = _coordinator(pki, sealed=seal).decode(wire, ctx)
     np.testing.assert_array_equal(back.arrays["w"], _payload().arrays["w"])
+    assert back.arrays["bf16"].dtype.str == "<u2" and back.arrays["bf16"].tolist() == [0x3F80, 0xBFC0]  # bit-exact
     assert back.meta == _payload().meta
 
 

@@ -8,6 +8,7 @@ import time
 import numpy as np
 
 from federation.protocol.codecs import Arrays, Codec, CodecError, Encoded, UpdateSpec, parse_codec
+from federation.protocol.codecs.base import float_values
 from federation.protocol.pipeline import Payload, RoundContext, UpdateRejected
 
 META_PREFIX = "codec."  # the codec's metadata inside a Payload's meta (the SecAgg mod reads it too)
@@ -47,7 +48,7 @@ class CodecStage:
     def encode(self, payload: Payload, ctx: RoundContext) -> Payload:
         """Site: the encoded update; the residual to keep is left in `new_state` (None without EF)."""
         t0 = time.perf_counter()
-        update = {k: np.asarray(v, dtype=np.float32) for k, v in payload.arrays.items()}
+        update = {k: float_values(v) for k, v in payload.arrays.items()}  # bf16 words: their values
         enc, new_state = self.codec.encode(update, self.state, ctx.codec_round(self.site_seed))
         self.new_state = new_state if self.codec.error_feedback else None
         self.encode_s = time.perf_counter() - t0

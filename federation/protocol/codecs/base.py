@@ -42,6 +42,11 @@ def bf16_to_float32(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
+def float_values(arr: np.ndarray) -> np.ndarray:
+    """The values of an update tensor as float32 (raw bf16 words decoded exactly; a float32 array as is)."""
+    return bf16_to_float32(arr) if arr.dtype == RAW_BF16 else np.asarray(arr, dtype=np.float32)
+
+
 @dataclass(frozen=True)
 class CodecRound:
     """What a codec needs to know about the round (a federation's `RoundContext` makes one with
@@ -118,7 +123,7 @@ class UpdateSpec:
             if not isinstance(arr, np.ndarray) or tuple(arr.shape) != shape:
                 raise UpdateError(f"update tensor {name!r} has shape {getattr(arr, 'shape', None)}, expected {shape}")
             if arr.dtype == RAW_BF16:  # a bfloat16 tensor as it travels (raw words): its exact float32 values
-                arr = bf16_to_float32(arr)
+                arr = float_values(arr)
             elif arr.dtype.kind != "f":
                 raise UpdateError(f"update tensor {name!r} has dtype {arr.dtype}; updates must be floating point "
                                   "(or bfloat16 as raw <u2 words)")
