@@ -76,7 +76,7 @@ def load_global(model, weights: dict[str, np.ndarray], exchanged: list[str]) -> 
             if tuple(arr.shape) != tuple(t.shape):
                 raise ExportError(f"checkpoint tensor {name} has shape {tuple(arr.shape)}, the model {tuple(t.shape)}; "
                                   "export with the run's own configuration")
-            t.copy_(layout.from_wire(np.ascontiguousarray(arr), t.dtype))
+            t.copy_(layout.from_wire(np.array(arr, order="C"), t.dtype))  # (ascontiguousarray makes 0-dim 1-dim)
 
 
 def export_run(run_dir: Path, out: Path, merge: bool = False, rnd: int | None = None,
