@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test soak install clean
+.PHONY: demo demo-hf test soak install clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,6 +15,10 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	FLWR_TELEMETRY_ENABLED=0 $(VENV)/bin/sovfl simulate configs/demo.yaml
+
+# The Hugging Face LoRA federation (configs/hf-lora.yaml) on a tiny model built locally, then exported.
+demo-hf: $(STAMP)
+	FLWR_TELEMETRY_ENABLED=0 $(PY) examples/hf_lora_demo.py
 
 test: $(STAMP)
 	FLWR_TELEMETRY_ENABLED=0 $(PY) -m pytest -q tests
