@@ -5,8 +5,8 @@ Layout under `<workdir>/checkpoints/`:
                      (ZeRO) or one copy of replicated tensors (DDP);
                      rank_00000.pt ...  per-rank state DCP does not cover (the session's extras:
                      torch RNG, rounds reported, and the loop's own state such as batch-sampling
-                     generators and the lr schedule's position); rank 0's file also holds the
-                     site-private state (codec residuals);
+                     generators and the lr schedule's position); the codec's residuals are not
+                     here: they live in the relay's site store (federation/site/site_store.py);
                      meta.json  round, parallelism, world size; written last.
   latest             name of the newest complete checkpoint (replaced atomically).
 
@@ -23,7 +23,6 @@ import shutil
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -49,7 +48,7 @@ def _state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
 
 
 def save(workdir: str | Path, round_no: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-         extras: dict, site_state: dict[str, np.ndarray], parallelism: str, keep: int) -> Path:
+         extras: dict, parallelism: str, keep: int) -> Path:
     """Collective: every rank writes its part; rank 0 publishes it as `latest` once all are done."""
     rank = dist.get_rank()
     root = _root(workdir)
@@ -60,10 +59,7 @@ def save(workdir: str | Path, round_no: int, model: torch.nn.Module, optimizer: 
     dist.broadcast_object_list(name, src=0)
     path = root / name[0]
     dcp.save(_state_dicts(model, optimizer), checkpoint_id=str(path))
-    extras = {"round": round_no, "extras": extras}
-    if rank == 0:
-        extras["site_state"] = {k: torch.from_numpy(np.array(v)) for k, v in site_state.items()}
-    torch.save(extras, _rank_file(path, rank))
+    torch.save({"round": round_no, "extras": extras}, _rank_file(path, rank))
     dist.barrier()
     if rank == 0:
         meta = {"round": round_no, "parallelism": parallelism, "world_size": dist.get_world_size()}
@@ -92,10 +88,9 @@ def find_latest(workdir: str | Path) -> Path | None:
 
 
 def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, parallelism: str
-         ) -> tuple[int, dict, dict[str, np.ndarray]] | None:
+         ) -> tuple[int, dict] | None:
     """Collective: restore model and optimizer in place (resharded if the layout changed); return
-    (round, this rank's extras, site state), or None when the world size changed (RNG streams
-    cannot be matched)."""
+    (round, this rank's extras), or None when the world size changed (RNG streams cannot be matched)."""
     meta = json.loads((path / "meta.json").read_text())
     state = _state_dicts(model, optimizer)
     dcp.load(state, checkpoint_id=str(path))
@@ -110,5 +105,4 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | 
     if meta["parallelism"] != parallelism:
         log.info("checkpoint %s was written under %s, resharded for %s", path, meta["parallelism"], parallelism)
     raw = torch.load(_rank_file(path, dist.get_rank()), weights_only=True)
-    site_state = {k: v.numpy().copy() for k, v in raw.get("site_state", {}).items()}
-    return int(raw["round"]), raw["extras"], site_state
+    return int(raw["round"]), raw["extras"]

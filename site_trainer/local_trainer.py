@@ -323,10 +323,10 @@ class LocalTrainer:
         self.sched_step = int(state["sched_step"])
         self.rounds_trained = int(state["rounds_trained"])
 
-    def save_checkpoint(self, round_no: int, site_state: dict[str, np.ndarray]) -> Path:
+    def save_checkpoint(self, round_no: int) -> Path:
         """Collective: a sharded checkpoint of everything a resumed rank needs."""
-        return self.session.save_checkpoint(round_no, site_state)
+        return self.session.save_checkpoint(round_no)
 
-    def resume(self) -> tuple[int, dict[str, np.ndarray]] | None:
-        """Collective: restore the newest local checkpoint if there is one; returns (round, site_state)."""
+    def resume(self) -> int | None:
+        """Collective: restore the newest local checkpoint if there is one; returns its round."""
         return self.session.resume()

@@ -58,7 +58,6 @@ ENV_CONFIG = "SOVFL_TRAINER_CONFIG"  # path of the TrainerConfig JSON the launch
 ENV_NODE_RANK = "SOVFL_NODE_RANK"  # multi-node sites: this node's index (0 serves the endpoint)
 HEARTBEAT_S = 5.0
 POLL_S = 0.2  # how often rank 0 looks at the stop flag while idle
-STATE_WAIT_S = 30.0  # how long a due checkpoint waits for the round's PutState (codec residuals)
 PG_TIMEOUT = timedelta(minutes=10)
 
 
@@ -193,7 +192,6 @@ class _Request:
             fut.set_result(reply)
         else:  # nobody waits any more
             handoff.release((reply.get("update") or {}).get("path"))
-            handoff.release((reply.get("state") or {}).get("path"))
 
     def close(self) -> None:
         if self.reader is not None:
@@ -251,21 +249,11 @@ class Session:
         self.rounds_reported = 0
         self._stop_requested = False
         self.commands: queue.Queue = queue.Queue()
-        # Site-private state the relay keeps here between rounds (codec error-feedback residuals):
-        # named float arrays on rank 0, handed out with Train replies and replaced by PutState.
-        self.site_state: dict[str, np.ndarray] = {}
-        self.state_lock = threading.Lock()
         self.last_files: list[str | None] = []
-        # Rank 0's plan for the next local checkpoint: the round it covers, whether a PutState
-        # (the residuals of that round) is still expected, and how long to wait for it.
-        self.ckpt_due: int | None = None
-        self.ckpt_awaits_state = False
-        self.ckpt_deadline = 0.0
+        self.ckpt_due: int | None = None  # rank 0: the round the next local checkpoint covers
         self._current: _Request | None = None
         if config.site.checkpoint_every:
-            resumed = self.resume()
-            if resumed is not None and self.rank == 0:
-                self.site_state = resumed[1]
+            self.resume()
 
     @property
     def site(self) -> str:
@@ -337,8 +325,6 @@ class Session:
         """Called on gRPC threads: queue the work for the ranks' loop and wait for its answer."""
         if method == "Info":
             return self.info()
-        if method == "PutState":
-            return self.put_state(request)
         if method == "Stop":
             self._stop_requested = True
             return {"ok": True, "stopping": True}
@@ -349,18 +335,6 @@ class Session:
         except TimeoutError:
             fut.cancel()
             return {"ok": False, "error": f"site {self.site}: {method} did not finish in time"}
-
-    def put_state(self, request: dict) -> dict:
-        try:
-            arrays = handoff.map_arrays(handoff.Handle.from_json(request["state"]))
-        except (KeyError, OSError, ValueError) as err:
-            return {"ok": False, "error": f"site {self.site}: cannot read the state hand-off: {err}"}
-        with self.state_lock:
-            self.site_state = {k: np.array(v) for k, v in arrays.items()}
-            if self.ckpt_awaits_state:
-                self.ckpt_awaits_state = False
-                self.commands.put(("Nudge", {}, None))  # checkpoint now that the residuals are here
-        return {"ok": True, "arrays": len(self.site_state)}
 
     def open_global(self, request: dict) -> handoff.Reader:
         """Rank 0: open the request's global model and check its layout (names, dtypes, shapes)
@@ -458,14 +432,11 @@ class Session:
 
     def _take_request(self) -> tuple[str, dict, Future | None]:
         """Rank 0: the next request, a heartbeat when none came in time, or Stop."""
-        wait = HEARTBEAT_S
-        if self.ckpt_due is not None:
-            wait = min(wait, max(0.0, self.ckpt_deadline - time.monotonic())) if self.ckpt_awaits_state else 0.0
-        end = time.monotonic() + wait
+        end = time.monotonic() + (0.0 if self.ckpt_due is not None else HEARTBEAT_S)  # a due checkpoint: now
         while not self._stop_requested:
             try:
                 method, request, fut = self.commands.get(timeout=max(0.0, min(POLL_S, end - time.monotonic())))
-                return ("Heartbeat", {}, None) if method == "Nudge" else (method, request, fut)
+                return method, request, fut
             except queue.Empty:
                 if time.monotonic() >= end:
                     return "Heartbeat", {}, None
@@ -477,9 +448,8 @@ class Session:
         if self.rank == 0:
             method, request, fut = self._take_request()
             ckpt = None
-            if self.ckpt_due is not None and (method != "Heartbeat" or not self.ckpt_awaits_state
-                                              or time.monotonic() >= self.ckpt_deadline):
-                ckpt, self.ckpt_due, self.ckpt_awaits_state = self.ckpt_due, None, False
+            if self.ckpt_due is not None:
+                ckpt, self.ckpt_due = self.ckpt_due, None
             reader = None
             if method in ("Train", "Evaluate"):
                 for path in self.last_files:  # the previous reply has been read by now
@@ -503,9 +473,7 @@ class Session:
             dist.broadcast_object_list(header, src=0)
         method, request, ckpt = header
         if ckpt is not None:
-            with self.state_lock:
-                site_state = dict(self.site_state)
-            self.save_checkpoint(ckpt, site_state)
+            self.save_checkpoint(ckpt)
         if method == "Stop":
             return None, "stop"
         if method == "Heartbeat":
@@ -616,17 +584,11 @@ class Session:
         self.num_examples = count
         every = self.config.site.checkpoint_every
         if every and self.rounds_reported % every == 0:
-            self.ckpt_due = rnd.number
-            self.ckpt_awaits_state = bool(req.request.get("with_state"))
-            self.ckpt_deadline = time.monotonic() + STATE_WAIT_S
+            self.ckpt_due = rnd.number  # written before the next request is taken
         means.update(load_s=rnd.load_s, pack_s=time.perf_counter() - t1)
-        state = None
-        if req.request.get("with_state"):
-            with self.state_lock:
-                state = handoff.write_arrays(self.site_state, tag=f"{self.site}-state").to_json()
-        self.last_files = [handle.path, state["path"] if state else None]
-        req.answer({"state": state, "ok": True, "update": handle.to_json(), "num_examples": count,
-                    "metrics": means, "rank_digests": digests})
+        self.last_files = [handle.path]
+        req.answer({"ok": True, "update": handle.to_json(), "num_examples": count, "metrics": means,
+                    "rank_digests": digests})
 
     def _pack_update(self, req: _Request, kind: str, round_no: int) -> tuple[handoff.Handle | None, list[str]]:
         """Collective: stream the exchanged tensors into rank 0's hand-off file (weights, or the delta
@@ -658,35 +620,36 @@ class Session:
         return handle, digests
 
     # ---- local checkpoints ----------------------------------------------------------------
-    def save_checkpoint(self, round_no: int, site_state: dict[str, np.ndarray]) -> Path:
+    def save_checkpoint(self, round_no: int) -> Path:
         """Collective: a sharded checkpoint of everything a resumed rank needs."""
         t0 = time.perf_counter()
         extras = {"rounds_reported": self.rounds_reported, "torch_rng": torch.get_rng_state(),
                   "user": self.state.state_dict() if self.state is not None else {}}
-        path = local_checkpoint.save(self.config.workdir, round_no, self.model, self.optimizer, extras, site_state,
+        path = local_checkpoint.save(self.config.workdir, round_no, self.model, self.optimizer, extras,
                                      self.config.site.parallelism, self.config.site.checkpoint_keep)
         if self.rank == 0:
             log.info("site %s: local checkpoint of round %d in %s (%.2fs)", self.site, round_no, path,
                      time.perf_counter() - t0)
         return path
 
-    def resume(self) -> tuple[int, dict[str, np.ndarray]] | None:
-        """Collective: restore the newest local checkpoint if there is one; returns (round, site_state)."""
+    def resume(self) -> int | None:
+        """Collective: restore the newest local checkpoint if there is one; returns its round (-1: a
+        checkpoint of another world size, model and optimizer only), None without one."""
         path = local_checkpoint.find_latest(self.config.workdir)
         if path is None:
             return None
         saved = local_checkpoint.load(path, self.model, self.optimizer, self.config.site.parallelism)
-        round_no, site_state = -1, {}
+        round_no = -1
         if saved is not None:
-            round_no, extras, site_state = saved
+            round_no, extras = saved
             torch.set_rng_state(extras["torch_rng"])
             self.rounds_reported = int(extras["rounds_reported"])
             if self.state is not None:
                 self.state.load_state_dict(extras["user"])
         if self.rank == 0:
-            log.info("site %s: resumed from local checkpoint %s (round %d: model, optimizer, RNG, %d site-state "
-                     "array(s))", self.site, path, round_no, len(site_state))
-        return round_no, site_state
+            log.info("site %s: resumed from local checkpoint %s (round %d: model, optimizer, RNG)", self.site, path,
+                     round_no)
+        return round_no
 
 
 def connect(model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None,

@@ -84,19 +84,6 @@ def test_bad_global_model_is_refused_and_service_survives(service, mutate, needl
     assert _call(cfg, "Evaluate", init)["ok"]  # still serving
 
 
-def test_site_state_survives_between_rounds(service):
-    cfg, init, _ = service
-    state = {"residual": np.arange(5, dtype=np.float32)}
-    h = handoff.write_arrays(state, "state")
-    try:
-        assert endpoint.call(cfg.socket, "PutState", {"state": h.to_json()}, timeout_s=10)["ok"]
-    finally:
-        handoff.release(h.path)
-    reply = _call(cfg, "Train", init, round=4, with_state=True)
-    back = handoff.map_arrays(handoff.Handle.from_json(reply["state"]))
-    np.testing.assert_array_equal(back["residual"], state["residual"])
-
-
 def test_info_reports_the_manifest_the_coordinator_expects(service):
     cfg, init, _ = service
     info = endpoint.call(cfg.socket, "Info", {}, timeout_s=10)

@@ -77,13 +77,11 @@ def main(out_path: str, workdir: str) -> None:
         ckpt_dir = f"{workdir}/{strategy}"
         t = trainer(SLM, strategy, ckpt_dir, optimizer="adamw", lr=1e-2)
         t.train(2)
-        t.save_checkpoint(1, {"residual": np.arange(3, dtype=np.float32)})
+        t.save_checkpoint(1)
         t.train(2)
         keep(f"uninterrupted-{strategy}", t)
         t = trainer(SLM, strategy, ckpt_dir, optimizer="adamw", lr=1e-2)
-        round_no, site_state = t.resume()
-        assert round_no == 1 and t.rounds_trained == 1
-        assert (t.rank != 0 and site_state == {}) or list(site_state["residual"]) == [0, 1, 2]
+        assert t.resume() == 1 and t.rounds_trained == 1
         t.train(2)
         keep(f"resumed-{strategy}", t)
         # the learning-rate schedule (warm-up, then cosine) and weight decay survive it as well
@@ -91,7 +89,7 @@ def main(out_path: str, workdir: str) -> None:
                  "local_steps": 2}
         t = trainer(DIGITS, strategy, f"{ckpt_dir}-sched", rounds=3, **sched)
         t.train(2)
-        t.save_checkpoint(1, {})
+        t.save_checkpoint(1)
         t.train(2)
         keep(f"sched-uninterrupted-{strategy}", t)
         lrs = [t.optimizer.param_groups[0]["lr"]]
