@@ -16,7 +16,10 @@ import pytest
 
 from federation.ops.inprocess import FunctionTrainer, task_identity
 from federation.protocol.codecs.floats import bf16_bits
+from federation.protocol import message_keys as keys
 from federation.protocol.codecs import UpdateSpec
+from federation.protocol.payload_records import array_bytes, to_records
+from federation.protocol.pipeline import Payload
 from federation.protocol.round_config import RoundConfig
 from federation.protocol.wire_dtypes import to_master
 
@@ -36,12 +39,13 @@ def _trainer(s: int, workdir: Path, seen: list) -> FunctionTrainer:
     return FunctionTrainer(train, COUNTS[s], workdir / f"site{s}")
 
 
-@pytest.mark.parametrize("federation, upload", [
-    ({}, 2 * NUMEL),  # raw words: half of float32
-    ({"codec": "bf16"}, 2 * NUMEL),  # a codec reads the words as their float32 values
-    ({"secagg": {"enabled": True, "clip": 1.0}}, 4 * (NUMEL + 1)),  # masked ring words (+ the weight word)
+@pytest.mark.parametrize("federation, upload, down", [
+    ({}, 2 * NUMEL, "<u2"),  # raw words both ways: half of float32
+    ({"codec": "bf16"}, 2 * NUMEL, "<u2"),  # a codec reads the words as their float32 values
+    ({"secagg": {"enabled": True, "clip": 1.0}}, 4 * (NUMEL + 1), "<u2"),  # masked ring words (+ the weight)
+    ({"downlink_codec": "int8"}, 2 * NUMEL, "<f4"),  # a downlink codec's reference is float32
 ])
-def test_bf16_updates_travel_as_words_and_average_in_float32(tmp_path, federation, upload):
+def test_bf16_updates_travel_as_words_and_average_in_float32(tmp_path, federation, upload, down):
     initial = {k: bf16_bits(np.ones(s, np.float32)) for k, s in SHAPES.items()}  # as initial_weights gives bf16
     seen: list = []
     sites = simulated_sites([_trainer(s, tmp_path, seen) for s in range(2)], 0)
@@ -51,7 +55,13 @@ def test_bf16_updates_travel_as_words_and_average_in_float32(tmp_path, federatio
         line = coord.run_round(1)
     assert line["status"] == "aggregated", line["failed"]
     assert line["rejections"] == {}
-    assert seen == [{"w": "<f4", "b": "<f4"}] * 2  # the float32 master goes down (the trainer rounds it on load)
+    assert seen == [{"w": down, "b": down}] * 2
+    if down == "<u2":  # the master rounded to bf16 words: what the trainer would have made of float32
+        def sent(arrays: dict) -> int:  # bytes of the GLOBAL record (array data and .npy headers)
+            return array_bytes(to_records(Payload(arrays), keys.GLOBAL, keys.DOWNLINK).array_records[keys.GLOBAL])
+
+        assert set(line["downlink"]["bytes"].values()) == {sent(initial)}
+        assert sent({k: np.ones(s, np.float32) for k, s in SHAPES.items()}) - sent(initial) == 2 * NUMEL
     assert [s["upload_bytes"] for s in line["sites"].values()] == [upload, upload]
     mean = (COUNTS[0] * STEPS[0] + COUNTS[1] * STEPS[1]) / sum(COUNTS)
     bound = line["secagg"]["error_bound"] if "secagg" in line else 0.0

@@ -41,7 +41,7 @@ from federation.protocol.payload_records import record_bytes
 from federation.protocol.pipeline import RoundContext
 from federation.protocol.round_config import RoundConfig
 from federation.protocol.update_codec import round_seed
-from federation.protocol.wire_dtypes import to_master
+from federation.protocol.wire_dtypes import WireCopy, to_master
 
 __all__ = ["Coordinator", "FederationFailed", "Site"]
 
@@ -73,6 +73,7 @@ class Coordinator:
         self.spec = {k: (v.dtype.str, tuple(v.shape)) for k, v in initial.items()}  # updates as they travel
         self.model = to_master(initial, self.spec)  # float32 where bf16 travels as raw words
         self.base_check = BaseCheck(manifest)  # the task's manifest: sites with another base are refused
+        self.wire_copy = WireCopy(self.spec)  # the dense model down: bf16 tensors as their words
         self.opt = ServerOptimizer(self.fed.strategy, self.fed.update_kind, self.fed.effective_server_lr,
                                    self.fed.server_beta1, self.fed.server_beta2, self.fed.server_tau)
         self.bundle = bundle
@@ -194,7 +195,8 @@ class Coordinator:
         """The global model (with a downlink codec: the encoded steps from the model each site holds,
         coordinator/downlink_sender.py) and the round config, serialized once per stage and content
         and shared by the messages."""
-        records = self.downlink.stage(self.model, self.site_name)
+        down = self.model if self.downlink.codec is not None else self.wire_copy.of(self.model)
+        records = self.downlink.stage(down, self.site_name)
         config = self.round_config(rnd, deadline_s).to_record()
         return lambda node: RecordDict({**records(node), keys.CONFIG: config})
 

@@ -5,6 +5,9 @@ half the bytes of float32, bit-exact. The coordinator keeps its global model and
 float32 (`to_master`): a sum of bf16 values in bf16 would lose the small updates of late rounds.
 An update of a bf16 tensor may arrive as raw words (no codec) or as float32 (what a codec or the
 SecAgg decoder gives back); both are checked against the tensor's master (float32) spec.
+The dense global model goes down as bf16 words too (`WireCopy`): the site would round float32 to
+bf16 on load anyway (round-to-nearest-even, as torch does), so it ends up with the same weights
+for half the bytes. (With a downlink codec the codec's reference is float32, as for any model.)
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import numpy as np
 
 from federation.protocol.codecs import Arrays
 from federation.protocol.codecs.base import RAW_BF16, bf16_to_float32
+from federation.protocol.codecs.floats import bf16_bits
 
 Spec = dict[str, tuple[str, tuple[int, ...]]]  # name -> (dtype string, shape)
 
@@ -36,3 +40,21 @@ def to_master(arrays: Arrays, spec: Spec) -> Arrays:
         raw = wire is not None and np.dtype(wire) == RAW_BF16 and arr.dtype == RAW_BF16
         out[name] = bf16_to_float32(arr) if raw else arr
     return out
+
+
+class WireCopy:
+    """The master model as it travels down (bf16 tensors as words), made once per model object."""
+
+    def __init__(self, spec: Spec):
+        self.raw = [k for k, (d, _) in spec.items() if np.dtype(d) == RAW_BF16]
+        self._master: Arrays | None = None
+        self._wire: Arrays | None = None
+
+    def of(self, master: Arrays) -> Arrays:
+        """`master` with its bf16 tensors rounded to words (`master` itself when there are none)."""
+        if not self.raw:
+            return master
+        if master is not self._master:
+            self._master = master
+            self._wire = {k: bf16_bits(v) if k in self.raw else v for k, v in master.items()}
+        return self._wire
