@@ -50,6 +50,19 @@ def test_a_task_exports_its_state_dict_as_safetensors(tmp_path, capsys):
     assert all((load_file(tmp_path / "r1" / "model.safetensors")[k] == 0).all() for k in weights)
 
 
+def test_a_script_workload_exports_its_model_factory_with_the_run_weights(tmp_path):
+    from safetensors.torch import load_file
+
+    workload = {"script": str(Path(__file__).parent / "session_script.py"), "model": "user_tasks:make_model",
+                "options": {"features": 8, "classes": 3}}
+    run, weights = _run_dir(tmp_path, workload, change=lambda k, v: v - np.float32(1))
+    assert main(["export", str(run), "--out", str(tmp_path / "out")]) == 0
+    state = load_file(tmp_path / "out" / "model.safetensors")
+    assert set(state) == set(weights)
+    for k, v in weights.items():
+        np.testing.assert_array_equal(state[k].numpy(), v)
+
+
 def test_clear_errors_for_what_is_missing(tmp_path, capsys):
     def err(*args: str) -> str:
         assert main(["export", *args, "--out", str(tmp_path / "o")]) == 1
