@@ -164,11 +164,12 @@ def test_sovfl_scrub(model, corpus, tmp_path, capsys):
     rc, out, err = _scrub(capsys, str(cfg), "--site", "paris", "--dry-run", "--workdir", str(work))
     assert rc == 0, err
     pii_dir = work / "sites" / "paris" / "pii"
-    assert sorted(p.name for p in pii_dir.rglob("*") if p.is_file()) == ["report.html", "report.json"]
+    assert sorted(str(p.relative_to(work)) for p in work.rglob("*") if p.is_file()) == [
+        "sites/paris/pii/report/report.html", "sites/paris/pii/report/report.json"]  # nothing but the report
     report = json.loads((pii_dir / "report" / "report.json").read_text())
     for entity, n in truth.items():
         assert f"{entity:18s} {n:8d}" in out
-    assert "DRY RUN" in out and "scrubbing 2 file(s)" in err
+    assert "DRY RUN" in out and "scrubbing 2 file(s)" in err and "  scrubbed 1 document(s)" in err
     written = (pii_dir / "report" / "report.json").read_text() + (pii_dir / "report" / "report.html").read_text()
     assert not [v for v in SEEDED if v in written + out + err]
     assert report
