@@ -82,6 +82,10 @@ class LocalTrainer:
         self.data = self.task.build_data()
         # counts per PII entity type (never text): in every train reply, hence the round's metrics line
         site_metrics = pii_transform.round_metrics(transforms, f"task {cfg.workload.name!r}")
+        if transforms and self.rank == 0:
+            found = pii_transform.counts_from_metrics(site_metrics)
+            log.info("site %s: PII scrubbed before tokenization: %s", s.id,
+                     ", ".join(f"{k} {n}" for k, n in found.items()) or "no entity configured")
         self.module, self.model, exchanged, frozen = self._build_model(sharded)
         self.replicated = strategies.replicated_params(self.module) if sharded else []
         groups = strategies.param_groups(self.module.named_parameters(), s.weight_decay)

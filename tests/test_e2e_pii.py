@@ -7,6 +7,7 @@ counts per entity type."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -74,7 +75,9 @@ def test_seeded_pii_never_reaches_a_trainer_rank_nor_leaves_a_site(tmp_path, mar
         squeezed = joined.replace(" ", "").replace("-", "")
         assert [v for v in SEEDED if v in joined or v in squeezed] == [], f"{site}: PII in the token cache"
         log = (run / "logs" / f"site-{site}-trainer.log").read_text()
-        assert log.count("tokenizing ") == 1, f"{site}: the cache is built once per site, by rank 0"
+        assert len(re.findall(r"token cache \S+ built in", log)) == 1, f"{site}: built once per site, by rank 0"
+        n = truth[site]["EMAIL_ADDRESS"]
+        assert re.search(rf"site {site}: PII scrubbed before tokenization: .*EMAIL_ADDRESS {n}\b", log), site
 
     # the counts, and only the counts, in the round's metrics line
     (line,) = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
