@@ -117,6 +117,8 @@ def test_config_to_transforms_to_token_cache(model, corpus, tmp_path):
     metrics = transform.round_metrics(transforms)
     assert metrics == {f"pii_{e}": float(truth.get(e, 0)) for e in PATTERN_ENTITIES}
     assert transform.counts_from_metrics({**metrics, "loss": 1.5}) == {e: truth.get(e, 0) for e in PATTERN_ENTITIES}
+    local = json.loads((transform.report_dir(tmp_path / "work") / "report.json").read_text())
+    assert local["counts"] == {e: n for e, n in truth.items()} and local["documents"] == 6  # the site-local report
     index = json.loads((task.token_cache.path / "index.json").read_text())
     assert index["transform_reports"][transforms[0].fingerprint] == {e: truth.get(e, 0) for e in PATTERN_ENTITIES}
 

@@ -44,15 +44,15 @@ class ScrubTransform:
     """`sites[].pii` as a `text_data.DocumentTransform`: a `CorpusScrubber` over the document stream.
 
     `map` scrubs on every core (the scrubber's process pool, above its inline threshold) and closes
-    the pool when the stream ends; `report()` is what the token cache stores (counts per entity
-    type: ints); `restore_report` gives every rank those counts back, whether the cache was built
+    the pool when the stream ends; `report()` writes the site-local report and returns what the
+    token cache stores (counts per entity type: ints); `restore_report` gives every rank those counts back, whether the cache was built
     now or reused.
     """
 
     def __init__(self, config: PiiConfig, workdir: Path, site: str | None = None):
         from .corpus import CorpusScrubber
 
-        self.config = config
+        self.config, self.workdir = config, Path(workdir)
         self.scrubber: CorpusScrubber = CorpusScrubber(config, cache_dir=cache_dir(workdir), site=site)
         self.fingerprint = f"pii:{self.scrubber.fingerprint}"
         self.counts: dict[str, int] | None = None  # set by report() on the builder, restore_report() on every rank
@@ -68,9 +68,13 @@ class ScrubTransform:
             self.scrubber.close()
 
     def report(self) -> dict[str, int]:
+        """After the build (rank 0): the site-local report (report.json, report.html, as `sovfl scrub`
+        writes it) under `report_dir(workdir)`, and the counts the token cache stores."""
         from .report import round_metrics
 
-        self.counts = round_metrics(self.scrubber.finish())
+        full = self.scrubber.finish()
+        full.write(report_dir(self.workdir))
+        self.counts = round_metrics(full)
         return self.counts
 
     def restore_report(self, report: dict | None) -> None:
