@@ -52,7 +52,7 @@ def site_text_files(cfg, site: SiteConfig, workdir: Path) -> tuple[list[tuple[Pa
                       num_partitions=len(cfg.sites), workdir=workdir)
     try:
         files = cls.text_files(options, ctx)
-    except ValueError as err:
+    except (ValueError, NotImplementedError) as err:  # a pattern that matches nothing; a task that cannot say
         raise ConfigError(f"site {site.id}: {err}") from None
     if not files:
         raise ConfigError(f"site {site.id}: task {wl.task!r} found no text file for this site; check its data patterns")
