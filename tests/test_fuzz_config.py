@@ -58,3 +58,18 @@ def test_fixed_bug_examples_are_rejected_not_crashes() -> None:
     for bug in IN_PROCESS:
         outcome = run_one(target, bug.example, check_alloc=False)
         assert outcome.kind == "rejected", (bug.id, outcome)
+
+
+def test_deep_flow_nesting_is_refused_before_parsing(tmp_path: Path) -> None:
+    """PyYAML's pure-Python scanner is quadratic in flow nesting: depth is bounded before it runs."""
+    from federation.config.schema import MAX_FLOW_DEPTH, ConfigError, load_config
+
+    path = tmp_path / "config.yaml"
+    d = MAX_FLOW_DEPTH + 1
+    path.write_text("sites: " + "[" * d + "]" * d + "\n")
+    with pytest.raises(ConfigError, match=f"nested {d} deep"):
+        load_config(path)
+    path.write_text("sites: " + "[" * 3 + "]" * 3 + "\n")  # shallow: parsed, then refused by the schema
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert "nested" not in str(err.value)

@@ -160,6 +160,7 @@ def _format_errors(path: Path, err: ValidationError) -> str:
 
 MAX_CONFIG_BYTES = 1 << 20  # a config is a few KB
 MAX_FLOW_BRACKETS = 10_000  # PyYAML's scanner is quadratic in flow nesting: 5000 deep already takes ~2 s
+MAX_FLOW_DEPTH = 64  # a real configuration nests a few levels; 600 levels already cost 0.2 s to scan
 MAX_NODES = 100_000  # YAML nodes once aliases are expanded: refuses "billion laughs" documents
 
 
@@ -193,6 +194,18 @@ class _BoundedLoader(yaml.SafeLoader):
         return super().construct_document(node)
 
 
+def _flow_depth(text: str) -> int:
+    """The deepest run of unclosed '[' / '{' (quotes ignored: an over-estimate only for odd strings)."""
+    depth = deepest = 0
+    for ch in text:
+        if ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth = max(0, depth - 1)
+    return deepest
+
+
 def parse_config(data: object, source: str | Path = "<config>") -> ExperimentConfig:
     """Validate an already-parsed mapping; errors name `source`."""
     if not isinstance(data, dict):
@@ -205,6 +218,9 @@ def parse_config(data: object, source: str | Path = "<config>") -> ExperimentCon
         raise ConfigError(_format_errors(Path(source), err)) from None
     except RecursionError:  # a Python document nested (or self-referencing) past the validator's stack
         raise ConfigError(f"{source}: nested too deeply to be a configuration") from None
+    except UnicodeError:  # a lone surrogate ("\ud800" in YAML) cannot be encoded into an error message
+        raise ConfigError(f"{source}: a string holds a lone UTF-16 surrogate (an escape such as \\ud800); "
+                          "remove it or write the character itself") from None
 
 
 def load_config(path: str | Path) -> ExperimentConfig:
@@ -224,6 +240,8 @@ def load_config(path: str | Path) -> ExperimentConfig:
         raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}: {err.reason}); save it as UTF-8") from None
     if text.count("[") + text.count("{") > MAX_FLOW_BRACKETS:
         raise ConfigError(f"{path}: more than {MAX_FLOW_BRACKETS} '[' or '{{': not a configuration")
+    if (depth := _flow_depth(text)) > MAX_FLOW_DEPTH:
+        raise ConfigError(f"{path}: '[' / '{{' nested {depth} deep (at most {MAX_FLOW_DEPTH}): not a configuration")
     try:  # the pure-Python loader: libyaml's CSafeLoader segfaults on deep nesting (50,000 levels)
         data = yaml.load(text, Loader=_BoundedLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as err:

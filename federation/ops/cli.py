@@ -10,7 +10,7 @@ from pathlib import Path
 
 from crypto.pki import CoordinatorBundle, provision
 from federation.config.schema import ConfigError, load_config
-from federation.ops import export_cmd, launcher
+from federation.ops import export_cmd, launcher, scrub_cmd
 from site_trainer.launch import RendezvousUnreachable, check_node_rank, wait_for_rendezvous
 
 
@@ -183,7 +183,7 @@ def _command(sub, name: str, help: str, fn, workdir_help: str) -> argparse.Argum
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The `sovfl` argument parser (validate, simulate, provision, coordinator, site, export)."""
+    """The `sovfl` argument parser (validate, simulate, provision, coordinator, site, scrub, export)."""
     p = argparse.ArgumentParser(prog="sovfl", description="Federated learning for sovereign clouds.")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -222,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--rdzv-timeout", type=float,
                    help="nodes >= 1: seconds to wait for node 0's rendezvous endpoint and for the nodes to "
                         "join (default: deadlines.trainer_start_s)")
-
+    scrub_cmd.add_parser(sub)
     export_cmd.add_parser(sub)
     return p
 
