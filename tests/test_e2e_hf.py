@@ -53,9 +53,9 @@ def _simulate(tmp_path: Path, cfg: dict, marker: str, monkeypatch) -> tuple[Path
     path = write_config(tmp_path / "hf.yaml", cfg)
     run, out = tmp_path / "run", []
     result = launcher.simulate(path, run, out.append)
-    log = "\n".join(out)
-    assert result["status"] == "ok", log + "\n" + launcher.tail(run / "logs" / "flwr-run.log")
+    assert result["status"] == "ok", "\n".join(out) + "\n" + launcher.tail(run / "logs" / "flwr-run.log")
     assert live_marked(marker) == []
+    log = (run / "progress.log").read_text()  # the coordinator's own record of its progress lines
     return run, [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()], log
 
 

@@ -293,7 +293,8 @@ def watch_run(sup: Supervisor, must_live: list[Proc], sites: dict[str, Proc], de
     run_exited_at: float | None = None
     while True:
         if progress_path.exists():
-            lines = progress_path.read_text().splitlines()
+            text = progress_path.read_text()
+            lines = text[:text.rfind("\n") + 1].splitlines()  # complete lines only: the last may be half written
             for line in lines[seen:]:
                 progress(line)
             seen = len(lines)
