@@ -14,7 +14,8 @@ the wire, and the test plays the curious coordinator with that record:
    advertises other public keys, and masks derived from the rebuilt secret do not open its later
    masked vectors (a build that kept a site's mask key across rounds fails here).
 
-Only the extraction of those items from the wire (`WireRecord`) knows the message layout.
+Only the extraction of those items from the wire (`WireRecord`) knows the message layout: it was
+written against the four-stage protocol and adapted, assertions unchanged, to the pipelined one.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from crypto.secagg import RoundContext, shamir, wire
+from crypto.secagg import RoundContext, member_id, shamir, wire
 from crypto.secagg.keys import pairwise_mask_key, public_from_private, self_mask_key
 from crypto.secagg.prg import expand
 from federation.ops.inprocess import FunctionTrainer, InProcessGrid, InProcessSite, task_identity
@@ -64,25 +65,29 @@ class WireRecord:
         self.ctx: dict[int, RoundContext] = {}
         self.masked: dict[tuple[int, str], np.ndarray] = {}  # (round, site) -> masked ring vector
         self.adverts: dict[tuple[int, str], bytes] = {}  # (round, site) -> advertised mask public key
-        self.ids: dict[str, int] = {}
+        self.ids: dict[str, int] = {name: member_id(name) for name in names.values()}
         self.unmask: dict[int, list[tuple[int, int, bytes]]] = defaultdict(list)  # round -> (owner, kind, share)
         for msg, reply in grid.log:
-            if reply is None or keys.SECAGG not in msg.content.config_records or reply.has_error():
+            if reply is None or reply.has_error():
+                continue
+            site = names[msg.metadata.dst_node_id]
+            me = self.ids[site]
+            if keys.SECAGG_SETUP in msg.content.config_records:
+                req = Request.parse(msg, keys.SECAGG_SETUP)
+                self.ctx[req.ctx.round] = req.ctx
+                rec = reply.content.config_records[keys.SECAGG_SETUP]
+                if "advert" in rec:
+                    self.adverts[(req.ctx.round, site)] = wire.decode_advert(req.ctx, bytes(rec["advert"]), me).s_pk
+            if keys.SECAGG not in msg.content.config_records:
                 continue
             req = Request.parse(msg)
-            rnd, site, node = req.ctx.round, names[msg.metadata.dst_node_id], msg.metadata.dst_node_id
-            self.ctx[rnd], self.ids[site] = req.ctx, node
-            rec = reply.content.config_records.get(keys.SECAGG)
-            if rec is None:
-                continue
-            if req.stage == keys.ADVERTISE:
-                self.adverts[(rnd, site)] = wire.decode_advert(req.ctx, bytes(rec["data"]), node).s_pk
-            elif req.stage == keys.MASKED_INPUT:
+            rec = reply.content.config_records[keys.SECAGG]
+            if req.stage == keys.MASKED_INPUT:
                 length = int(req.record["vector_len"]) + 1
-                chunks = parse_chunks(reply, length, 32)
-                self.masked[(rnd, site)] = np.concatenate([w for _, w in chunks])
+                chunks = parse_chunks(reply, length, int(rec["bits"]))
+                self.masked[(req.ctx.round, site)] = np.concatenate([c.words for c in chunks])
             elif req.stage == keys.UNMASK:
-                self.unmask[rnd] += wire.decode_unmask_reply(req.ctx, bytes(rec["data"]), node)
+                self.unmask[req.ctx.round] += wire.decode_unmask_reply(req.ctx, bytes(rec["data"]), me)
 
     def rebuilt(self, rnd: int, kind: int, owner: str, threshold: int) -> bytes | None:
         """A secret of `owner` rebuilt from the shares of this kind the coordinator received."""
@@ -142,7 +147,7 @@ def test_self_mask_seeds_of_every_survivor_do_not_reveal_any_input(tmp_path):
 
 def test_a_pairwise_secret_rebuilt_after_a_dropout_is_never_used_again(tmp_path):
     with task_identity(RUN_ID):
-        coord, grid, names = federation(tmp_path, rounds=4, faults={"a": "round=2,after=share"})
+        coord, grid, names = federation(tmp_path, rounds=4, faults={"a": "round=2,after=setup"})
         lines = [coord.run_round(r) for r in range(1, 5)]
     assert [x["status"] for x in lines] == ["aggregated"] * 4
     assert lines[1]["secagg"]["dropped"] == ["a"]

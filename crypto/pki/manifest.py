@@ -43,9 +43,15 @@ class SiteRecord(_Model):
     supernode_auth_openssh: str  # for `flwr supernode register`
     supernode_auth_fingerprint: str
     issued_at: str
+    # base64 raw X25519 public key: the long-term key SecAgg+ share envelopes are sealed with
+    # (crypto/secagg/plan.py); None in bundles made before it existed (re-run provisioning)
+    channel_x25519: str | None = None
 
     def signing_public_key(self) -> ed25519.Ed25519PublicKey:
         return ed25519.Ed25519PublicKey.from_public_bytes(unb64(self.sign_ed25519))
+
+    def channel_public_key(self) -> x25519.X25519PublicKey | None:
+        return None if self.channel_x25519 is None else x25519.X25519PublicKey.from_public_bytes(unb64(self.channel_x25519))
 
 
 class CoordinatorRecord(_Model):
