@@ -1,10 +1,10 @@
-# `make demo` and `make test` each create .venv if missing and install what they need.
+# `make demo`, `make test` and `make soak` each create .venv if missing and install what they need.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install clean
+.PHONY: demo test soak install clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	FLWR_TELEMETRY_ENABLED=0 $(PY) -m pytest -q tests
+
+# Long runs. Fuzzing: 100,000 generated inputs per decoder of another party's bytes
+# (tests/fuzzing/README.md); FUZZ_ARGS passes options, e.g. FUZZ_ARGS="--inputs 1000 envelope-blob".
+soak: $(STAMP)
+	FLWR_TELEMETRY_ENABLED=0 $(PY) tests/fuzz_soak.py $(FUZZ_ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -26,7 +26,7 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from threadpoolctl import threadpool_limits
 
-from federation.config import ExperimentConfig
+from federation.config.schema import ExperimentConfig
 from federation.coordinator.driver import Coordinator
 from federation.ops.inprocess import FunctionTrainer, InProcessGrid, InProcessSite, task_identity
 from federation.protocol.codecs import parse_codec

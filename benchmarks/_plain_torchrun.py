@@ -1,6 +1,6 @@
 """The anchor for the trainer benchmarks: a plain torchrun training loop written with torch alone.
 
-Same model, data, batch, optimizer (fused AdamW), strategy and precision as the site trainer
+Same model, data, batch, optimizer (fused AdamW), parallelism and precision as the site trainer
 config it is given, but none of the trainer's code: DDP (with autocast and torch's bf16 gradient
 compression hook for bf16) or FSDP2's `fully_shard` per transformer block (bf16 parameters and
 reductions, fp32 master weights), on the config's backend (NCCL: one GPU per rank).
@@ -21,13 +21,22 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from site_trainer import workloads
+from site_trainer import workload_loader
 from site_trainer.config import TrainerConfig
+from site_trainer.workload import Task, TaskContext
 
 
-def build(cfg: TrainerConfig, device: torch.device, dtype: torch.dtype | None):
-    model = workloads.make_model(cfg.workload, cfg.seed).to(device)
-    if cfg.site.strategy == "ddp":
+def task_of(cfg: TrainerConfig) -> Task:
+    """The workload's task (its model, data and loss): the same code as the trainer's, none of its loop."""
+    ctx = TaskContext(role="site", seed=cfg.seed, site=cfg.site.id, partition=cfg.site.partition,
+                      num_partitions=cfg.num_partitions)
+    return workload_loader.build_task(cfg.workload, ctx, cfg.options)
+
+
+def build(cfg: TrainerConfig, task: Task, device: torch.device, dtype: torch.dtype | None):
+    torch.manual_seed(cfg.seed)
+    model = task.build_model().to(device)
+    if cfg.site.parallelism == "ddp":
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
         if dtype is not None:
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
@@ -38,8 +47,8 @@ def build(cfg: TrainerConfig, device: torch.device, dtype: torch.dtype | None):
 
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
     for block in model.blocks:
-        fully_shard(block, reshard_after_forward=cfg.site.strategy == "zero3", mp_policy=mp)
-    return fully_shard(model, reshard_after_forward=cfg.site.strategy == "zero3", mp_policy=mp)
+        fully_shard(block, reshard_after_forward=cfg.site.parallelism == "zero3", mp_policy=mp)
+    return fully_shard(model, reshard_after_forward=cfg.site.parallelism == "zero3", mp_policy=mp)
 
 
 def main() -> None:
@@ -57,21 +66,21 @@ def main() -> None:
     dtype = torch.bfloat16 if site.mixed_precision == "bf16" else None
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(cfg.seed)
-    data = workloads.build_data(cfg.workload, site.partition, cfg.num_partitions, cfg.seed)
-    loss_fn = workloads.loss_fn(cfg.workload)
-    model = build(cfg, device, dtype)
+    task = task_of(cfg)
+    train = task.build_data().train
+    model = build(cfg, task, device, dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=site.lr, weight_decay=0.0, fused=True)
-    idx = torch.arange(len(data.train_y))[rank::world]
+    idx = torch.arange(len(train))[rank::world]
     gen = torch.Generator().manual_seed(rank)
-    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype is not None and site.strategy == "ddp")
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype is not None and site.parallelism == "ddp")
 
     def run(n: int) -> None:
         for _ in range(n):
             for _ in range(site.grad_accum):
                 pick = idx[torch.randint(len(idx), (site.batch_size,), generator=gen)]
-                x, y = data.train_x[pick].to(device), data.train_y[pick].to(device)
+                x, y = (t.to(device) for t in train.take(pick))  # the built-in tasks' rows: one index each
                 with autocast:
-                    loss, _ = loss_fn(model, x, y)
+                    loss = task.loss(model, (x, y))
                 (loss.float() / site.grad_accum).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -91,7 +100,7 @@ def main() -> None:
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if rank == 0:
         samples = steps * site.grad_accum * site.batch_size * world
-        tokens = samples * (cfg.workload.block_size if cfg.workload.name == "slm" else 1)
+        tokens = samples * (cfg.options.get("block_size", 1) if cfg.workload.task == "slm" else 1)
         print(json.dumps({"samples": samples, "seconds": seconds, "samples_per_s": samples / seconds,
                           "tokens_per_s": tokens / seconds, "cuda_peak_bytes": int(peak.item()),
                           "device": str(device), "compute": "bf16" if dtype is not None else "fp32"}), flush=True)

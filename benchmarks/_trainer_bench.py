@@ -78,21 +78,27 @@ class Service:
         self.model = workloads.initial_weights(self.cfg.workload, 0)
 
     def round(self, rnd: int, timeout_s: float = 600) -> tuple[float, dict]:
-        """One Train request as the relay sends it; (relay seconds, the trainer's metrics)."""
+        """One Train request as the relay sends it; (relay seconds, the trainer's metrics plus
+        `update_bytes`, the bytes of the update handed off). The
+        relay's own parts are left in `self.phases`: write_s (global model into shared memory),
+        call_s (the Train call, the trainer's whole part) and read_s (every byte of the update)."""
         t0 = time.perf_counter()
         h = handoff.write_arrays(self.model, "bench-global")
+        t1 = time.perf_counter()
         try:
             reply = endpoint.call(self.cfg.socket, "Train", {"round": rnd, "global": h.to_json(),
                                   "config": {"update_kind": "delta"}, "timeout_s": timeout_s}, timeout_s=timeout_s)
         finally:
             handoff.release(h.path)
+        t2 = time.perf_counter()
         upd = handoff.Handle.from_json(reply["update"])
         delta = {k: np.array(v) for k, v in handoff.map_arrays(upd).items()}  # the relay reads every byte
         handoff.release(upd.path)
         seconds = time.perf_counter() - t0
+        self.phases = {"write_s": t1 - t0, "call_s": t2 - t1, "read_s": seconds - (t2 - t0)}
         for k, d in delta.items():  # the coordinator's part, not timed
             self.model[k] += d
-        return seconds, reply["metrics"]
+        return seconds, {**reply["metrics"], "update_bytes": sum(e.nbytes for e in upd.entries)}
 
     def close(self) -> None:
         self.sup.close()

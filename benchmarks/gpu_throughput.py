@@ -1,6 +1,6 @@
 """Tokens/s per GPU of the site trainer service against a plain torchrun loop, NCCL and bf16.
 
-Workload: the byte-level GPT (site_trainer/workloads/slm.py, vocabulary 256) scaled to about 125M
+Workload: the byte-level GPT (site_trainer/tasks/slm.py, vocabulary 256) scaled to about 125M
 parameters (18 blocks, width 768, 12 heads, 1024-token sequences), 16 sequences per GPU per step,
 fused AdamW, bf16 compute and gradient reduction with fp32 master weights. For each strategy
 (ddp, zero2, zero3):
@@ -42,9 +42,10 @@ from _trainer_bench import Service, plain, trainer_config  # noqa: E402
 from site_trainer.config import WorkloadConfig  # noqa: E402
 
 GIB = 2**30
-GPT_125M = WorkloadConfig(name="slm", n_layer=18, n_head=12, n_embd=768, block_size=1024,
-                          corpus_bytes_per_site=400_000)
-GPT_SMOKE = WorkloadConfig(name="slm", n_layer=2, n_head=2, n_embd=32, block_size=32, corpus_bytes_per_site=20_000)
+GPT_125M = WorkloadConfig(task="slm", options={"n_layer": 18, "n_head": 12, "n_embd": 768, "block_size": 1024,
+                                               "corpus_bytes_per_site": 400_000})
+GPT_SMOKE = WorkloadConfig(task="slm", options={"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32,
+                                                "corpus_bytes_per_site": 20_000})
 
 
 def environment(smoke: bool, nproc: int) -> str:
@@ -123,19 +124,20 @@ def main() -> None:
 
     params = sum(a.size for a in workloads.initial_weights(wl, 0).values())
     check_handoff_space(4 * params)
-    print(f"model: byte-level GPT, {params:,} parameters ({wl.n_layer} blocks, width {wl.n_embd}, "
-          f"{wl.n_head} heads, {wl.block_size} tokens); {args.batch} sequences per GPU per step, fused AdamW, "
+    o = wl.options
+    print(f"model: byte-level GPT, {params:,} parameters ({o['n_layer']} blocks, width {o['n_embd']}, "
+          f"{o['n_head']} heads, {o['block_size']} tokens); {args.batch} sequences per GPU per step, fused AdamW, "
           f"{site['mixed_precision']}; {args.rounds} timed rounds x {args.steps} steps", flush=True)
     ours_all, plain_all = [], []
     with tempfile.TemporaryDirectory(prefix="sovfl-gpu-") as d:
         tmp = Path(d)
         for strategy in args.strategies.split(","):
-            cfg_path = trainer_config(tmp, f"gpu-{strategy}", wl, args.nproc, args.steps, strategy=strategy,
+            cfg_path = trainer_config(tmp, f"gpu-{strategy}", wl, args.nproc, args.steps, parallelism=strategy,
                                       batch_size=args.batch, lr=3e-4, **site)
             p = plain(cfg_path, args.rounds * args.steps, warmup=args.steps)
             check_placement("the plain loop", p["device"], p["compute"], *want)
             p_tok = p["tokens_per_s"] / args.nproc
-            o = run_ours(tmp / f"svc-{strategy}", cfg_path, args.rounds, args.nproc, wl.block_size, want)
+            o = run_ours(tmp / f"svc-{strategy}", cfg_path, args.rounds, args.nproc, wl.options["block_size"], want)
             plain_all.append(p_tok)
             ours_all.append(o["tokens_per_s"])
             print(f"{strategy:<6} plain {p_tok:>10,.0f} tokens/s/GPU, peak {p['cuda_peak_bytes'] / GIB:6.2f} GiB | "

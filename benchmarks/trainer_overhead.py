@@ -38,7 +38,8 @@ def ours(tmp: Path, cfg_path: Path, rounds: int) -> float:
 
 
 def handoff_seconds(tmp: Path, ranks: int) -> tuple[float, int]:
-    wl = WorkloadConfig(name="slm", n_layer=3, n_head=8, n_embd=512, block_size=64, corpus_bytes_per_site=100_000)
+    wl = WorkloadConfig(task="slm", options={"n_layer": 3, "n_head": 8, "n_embd": 512, "block_size": 64,
+                                             "corpus_bytes_per_site": 100_000})
     svc = Service(tmp, trainer_config(tmp, "big", wl, ranks, steps=1))
     try:
         params = sum(v.size for v in svc.model.values())
@@ -60,7 +61,8 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="sovfl-bench-") as d:
         tmp = Path(d)
-        wl = WorkloadConfig(name="slm", n_layer=2, n_head=4, n_embd=128, block_size=64, corpus_bytes_per_site=200_000)
+        wl = WorkloadConfig(task="slm", options={"n_layer": 2, "n_head": 4, "n_embd": 128, "block_size": 64,
+                                                 "corpus_bytes_per_site": 200_000})
         cfg_path = trainer_config(tmp, "tp", wl, args.ranks, args.steps)
         n = args.rounds * args.steps
         print(f"model: {sum(v.size for v in workloads.initial_weights(wl, 0).values()):,} parameters, "

@@ -4,10 +4,11 @@ Theory for P fp32 parameters, Adam (two fp32 moments) and K ranks, in bytes per 
   ddp 16P (weights 4P, gradients 4P, moments 8P) · zero2 4P + 12P/K · zero3 16P/K.
 
 What is measured: K ranks (gloo on CPU; with --cuda, NCCL with one GPU per rank) each run the site
-trainer service's own code for one round, in-process and without the socket: `TrainerService` is
-built (model on the meta device under ZeRO, shards allocated, fused AdamW), rank 0 validates the
-global model from a hand-off file written by this script (the relay's part), every rank loads it,
-trains `--steps` AdamW steps and streams the update into rank 0's hand-off file. Per rank: the peak
+trainer service's own code for one round, in-process and without the socket: `LocalTrainer` is
+built (model on the meta device under ZeRO, shards allocated, fused AdamW) and runs one Train
+request through its session (`run_request`): rank 0 opens the global model from a hand-off file
+written by this script (the relay's part), every rank loads it (checked as it arrives), trains
+`--steps` AdamW steps and streams the update into rank 0's hand-off file. Per rank: the peak
 resident set over that whole window (/proc VmHWM, reset after a warm-up round on a tiny model)
 minus the resident set before the trainer existed. That is everything the trainer allocated for
 this model (weights, gradients, moments, gathered blocks, activations, collective buffers, the
@@ -41,7 +42,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from site_trainer import handoff, workloads  # noqa: E402
 from site_trainer.config import SiteConfig, TrainerConfig, WorkloadConfig  # noqa: E402
-from site_trainer.service import TrainerService  # noqa: E402
+from site_trainer.local_trainer import LocalTrainer  # noqa: E402
 
 MIB = 2**20
 
@@ -54,7 +55,7 @@ def _status_bytes(field: str) -> int:
 
 
 def _config(wl: WorkloadConfig, strategy: str, ranks: int, steps: int, backend: str, workdir: str) -> TrainerConfig:
-    site = SiteConfig(id="mem", ranks=ranks, partition=0, strategy=strategy, backend=backend, optimizer="adamw",
+    site = SiteConfig(id="mem", ranks=ranks, partition=0, parallelism=strategy, backend=backend, optimizer="adamw",
                       lr=1e-4, batch_size=1, grad_accum=1, local_steps=steps)
     return TrainerConfig(site=site, workload=wl, num_partitions=1, socket=f"{workdir}/unused.sock", workdir=workdir)
 
@@ -62,15 +63,9 @@ def _config(wl: WorkloadConfig, strategy: str, ranks: int, steps: int, backend: 
 def _one_round(cfg: TrainerConfig, global_handle: dict) -> dict:
     """Collective: build the trainer service and run one Train request through its own code; the
     reply's metrics on rank 0, {} elsewhere."""
-    service = TrainerService(cfg)
-    request = {"round": 1, "global": global_handle, "config": {"update_kind": "delta"}}
-    reader = service.open_global(request) if service.rank == 0 else None
-    try:
-        reply = service.run_command("Train", request, reader)
-    finally:
-        if reader is not None:
-            reader.close()
-    if service.rank == 0:
+    trainer = LocalTrainer(cfg)
+    reply = trainer.run_request("Train", {"round": 1, "global": global_handle, "config": {"update_kind": "delta"}})
+    if trainer.rank == 0:
         handoff.release(reply["update"]["path"])
     return reply.get("metrics", {})
 
@@ -105,12 +100,13 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, strategy: 
 
 
 def _workload(args: argparse.Namespace) -> WorkloadConfig:
-    return WorkloadConfig(name="slm", n_layer=args.layers, n_head=8, n_embd=args.embd, block_size=16,
-                          corpus_bytes_per_site=10_000)
+    return WorkloadConfig(task="slm", options={"n_layer": args.layers, "n_head": 8, "n_embd": args.embd,
+                                               "block_size": 16, "corpus_bytes_per_site": 10_000})
 
 
 def _tiny(args: argparse.Namespace) -> WorkloadConfig:
-    return _workload(args).model_copy(update={"n_layer": 1, "n_embd": 16, "n_head": 1})
+    wl = _workload(args)
+    return WorkloadConfig(task=wl.task, options={**wl.options, "n_layer": 1, "n_embd": 16, "n_head": 1})
 
 
 def measure(strategy: str, args: argparse.Namespace, handles: dict) -> list[tuple[int, int, int]]:

@@ -138,6 +138,15 @@ def _u64(v: int) -> bytes:
     return struct.pack(">Q", v)
 
 
+def _bytes_of(value: Any, what: str) -> bytes:
+    """Bytes of a received field, which may hold any type the sender chose: an int must not become
+    ``bytes(n)`` (n zero bytes: a sender could ask for terabytes), so only buffers are taken."""
+    try:
+        return memoryview(value).tobytes()
+    except (TypeError, ValueError):
+        raise MalformedEnvelope(f"{what} is a {type(value).__name__}, not bytes") from None
+
+
 @dataclass(frozen=True)
 class EnvelopeHeader:
     """The signed part of an envelope. ``channel`` separates message kinds within a round."""
@@ -173,7 +182,7 @@ class EnvelopeHeader:
     @classmethod
     def decode(cls, data: bytes) -> "EnvelopeHeader":
         """Strict parse: exact field lengths, no trailing bytes, canonical re-encoding."""
-        data = bytes(data)
+        data = _bytes_of(data, "envelope header")
         if not data.startswith(MAGIC):
             raise MalformedEnvelope("bad magic or unsupported version")
         pos, raw = len(MAGIC), []
@@ -247,7 +256,10 @@ class Envelope:
 
     @classmethod
     def from_bytes(cls, data: bytes | memoryview) -> "Envelope":
-        mv = memoryview(data).cast("B")
+        try:
+            mv = memoryview(data).cast("B")
+        except (TypeError, ValueError):
+            raise MalformedEnvelope(f"an envelope blob must be contiguous bytes, not {type(data).__name__}") from None
         if len(mv) < 8:
             raise MalformedEnvelope("blob too short")
         hl, sl = struct.unpack_from(">II", mv, 0)
@@ -457,8 +469,10 @@ def open_envelope(
     Checks, cheapest first: header syntax, federation/run/round, sender known and not revoked,
     Ed25519 signature, replay, recipient, AES-GCM chunk tags, payload digest.
     """
+    hbytes = _bytes_of(envelope.header, "envelope header")
+    signature = _bytes_of(envelope.signature, "envelope signature")
     try:
-        h = EnvelopeHeader.decode(envelope.header)
+        h = EnvelopeHeader.decode(hbytes)
     except MalformedEnvelope:
         raise
     except Exception as exc:  # hostile bytes never escape as anything else
@@ -477,14 +491,17 @@ def open_envelope(
     if rec.revoked:
         raise RevokedSite(f"sender {h.site!r} is revoked")
     try:
-        rec.sign_public.verify(bytes(envelope.signature), bytes(envelope.header))
+        rec.sign_public.verify(signature, hbytes)
     except (InvalidSignature, ValueError, TypeError) as exc:
         raise BadSignature(f"signature by {h.site!r} does not verify") from exc
     if max_payload is not None and h.payload_len > max_payload:
         raise PayloadTooLarge(f"{h.payload_len} bytes > {max_payload}")
     if require_sealed and not h.sealed:
         raise NotSealed("this receiver accepts sealed envelopes only")
-    body = as_bytes_view(envelope.body)
+    try:
+        body = as_bytes_view(envelope.body)
+    except (TypeError, ValueError) as exc:  # not a buffer, or not contiguous
+        raise MalformedEnvelope(f"envelope body: {exc}") from None
     if len(body) != h.body_len:
         raise MalformedEnvelope(f"body is {len(body)} bytes, header says {h.body_len} (truncated or padded)")
 
@@ -492,7 +509,7 @@ def open_envelope(
         replay.reserve(h)
     accepted = False
     try:
-        payload = _unseal(h, envelope.header, body, recipient_key, workers, out) if h.sealed else np.frombuffer(body, np.uint8)
+        payload = _unseal(h, hbytes, body, recipient_key, workers, out) if h.sealed else np.frombuffer(body, np.uint8)
         if tree_digest(payload, alg=h.digest_alg, chunk_size=h.chunk_size, workers=workers) != h.digest:
             raise DigestMismatch("payload does not match the signed digest")
         accepted = True

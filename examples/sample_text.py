@@ -6,9 +6,9 @@ import argparse
 
 import torch
 
-from federation.coordinator.checkpoint import load_checkpoint
 from federation.config.schema import load_config
-from site_trainer.workloads import make_model
+from federation.coordinator.checkpoint import load_checkpoint
+from site_trainer.workloads import coordinator_model
 
 
 @torch.no_grad()
@@ -32,11 +32,14 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     cfg = load_config(args.config)
-    if cfg.workload.name != "slm":
+    if cfg.workload.task != "slm":
         raise SystemExit(f"{args.config}: workload is '{cfg.workload.name}'; sampling needs 'slm'")
     rnd, weights, _ = load_checkpoint(args.checkpoint)
-    model = make_model(cfg.workload, cfg.federation.seed)
-    model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()})
+    model, exchanged = coordinator_model(cfg.workload, cfg.federation.seed)
+    missing = set(exchanged) - set(weights)
+    if missing:
+        raise SystemExit(f"{args.checkpoint}: not a checkpoint of this workload (missing {sorted(missing)[:3]})")
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()}, strict=False)
     model.eval()
     print(f"# global model after round {rnd}")
     print(generate(model, args.prompt.encode(), args.bytes, args.temperature, args.seed).decode("utf-8", "replace"))

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import grpc
 
 SERVICE = "sovfl.SiteTrainer"
-METHODS = ("Info", "Train", "Evaluate", "PutState")
+METHODS = ("Info", "Train", "Evaluate", "PutState", "Stop")
 MAX_SOCKET_PATH = 107  # sun_path limit on Linux, less the terminating NUL
 
 

@@ -11,6 +11,7 @@ pages are the relay's file; per rank the trainer holds only its shards and one t
 
 from __future__ import annotations
 
+import mmap
 import os
 import uuid
 from collections.abc import Iterator, Mapping
@@ -157,8 +158,20 @@ class Reader(_File, Mapping):
     def __getitem__(self, name: str) -> np.ndarray:
         e = self._entries[name]
         out = np.empty(e.shape, dtype=e.dtype)
-        self._io(lambda fd, view, offset: os.preadv(fd, [view], offset), name, out)
+        self.read_into(name, out)
         return out
+
+    def read_into(self, name: str, out: np.ndarray) -> None:
+        """Read array `name` into `out` (C-contiguous, of the entry's dtype and shape): no allocation,
+        so rank 0 reads straight into a parameter or a pinned staging buffer."""
+        e = self._entries[name]
+        if out.dtype.str != e.dtype or out.shape != e.shape or not out.flags.c_contiguous:
+            raise ValueError(f"hand-off entry {name}: cannot read {e.dtype}{e.shape} into "
+                             f"{out.dtype.str}{out.shape}{'' if out.flags.c_contiguous else ' (not contiguous)'}")
+        self._io(lambda fd, view, offset: os.preadv(fd, [view], offset), name, out)
+
+    def handle_entry(self, name: str) -> Entry:
+        return self._entries[name]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._entries)
@@ -168,12 +181,21 @@ class Reader(_File, Mapping):
 
 
 def map_arrays(handle: Handle) -> dict[str, np.ndarray]:
-    """View the arrays of `handle` in place (no copy). Valid while the file exists or is mapped."""
-    size = os.path.getsize(handle.path)
-    _check_size(handle, size)
-    if not handle.entries or size == 0 or all(e.nbytes == 0 for e in handle.entries):
-        return {e.name: np.empty(e.shape, dtype=e.dtype) for e in handle.entries}
-    buf = np.memmap(handle.path, dtype=np.uint8, mode="r", shape=(size,))
+    """View the arrays of `handle` in place (no copy), read-only. Valid while the file exists or is mapped.
+
+    The mapping is populated up front (MAP_POPULATE where the platform has it): the reader touches
+    every page anyway, and one pass in the kernel costs less than a page fault per 4 KiB.
+    """
+    fd = os.open(handle.path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        _check_size(handle, size)
+        if not handle.entries or size == 0 or all(e.nbytes == 0 for e in handle.entries):
+            return {e.name: np.empty(e.shape, dtype=e.dtype) for e in handle.entries}
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        buf = np.frombuffer(mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ), dtype=np.uint8)
+    finally:
+        os.close(fd)
     return {e.name: buf[e.offset : e.offset + e.nbytes].view(e.dtype).reshape(e.shape) for e in handle.entries}
 
 

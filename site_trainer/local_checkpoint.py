@@ -3,9 +3,11 @@
 Layout under `<workdir>/checkpoints/`:
   round_000007-<t>/  DCP files: model and optimizer state, each rank writing only its own shards
                      (ZeRO) or one copy of replicated tensors (DDP);
-                     rank_00000.pt ...  per-rank state DCP does not cover: batch-sampling generator
-                     and torch RNG; rank 0's file also holds the site-private state (codec residuals);
-                     meta.json  round, strategy, world size; written last.
+                     rank_00000.pt ...  per-rank state DCP does not cover (the session's extras:
+                     torch RNG, rounds reported, and the loop's own state such as batch-sampling
+                     generators and the lr schedule's position); rank 0's file also holds the
+                     site-private state (codec residuals);
+                     meta.json  round, parallelism, world size; written last.
   latest             name of the newest complete checkpoint (replaced atomically).
 
 A crash while saving leaves `latest` on the previous checkpoint. Multi-node sites need `workdir`
@@ -19,27 +21,16 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                     set_state_dict)
 
 log = logging.getLogger("sovfl.trainer")
-
-
-@dataclass
-class Extras:
-    """What a rank restores besides model and optimizer."""
-
-    round: int
-    rounds_trained: int
-    generator: torch.Tensor
-    torch_rng: torch.Tensor
-    site_state: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 def _root(workdir: str | Path) -> Path:
@@ -50,8 +41,15 @@ def _rank_file(path: Path, rank: int) -> Path:
     return path / f"rank_{rank:05d}.pt"
 
 
-def save(workdir: str | Path, round_no: int, rounds_trained: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         generator: torch.Generator, site_state: dict[str, np.ndarray], strategy: str, keep: int) -> Path:
+def _state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def save(workdir: str | Path, round_no: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+         extras: dict, site_state: dict[str, np.ndarray], parallelism: str, keep: int) -> Path:
     """Collective: every rank writes its part; rank 0 publishes it as `latest` once all are done."""
     rank = dist.get_rank()
     root = _root(workdir)
@@ -61,15 +59,14 @@ def save(workdir: str | Path, round_no: int, rounds_trained: int, model: torch.n
         (root / name[0]).mkdir(parents=True)
     dist.broadcast_object_list(name, src=0)
     path = root / name[0]
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
-    extras = {"round": round_no, "rounds_trained": rounds_trained, "generator": generator.get_state(), "torch_rng": torch.get_rng_state()}
+    dcp.save(_state_dicts(model, optimizer), checkpoint_id=str(path))
+    extras = {"round": round_no, "extras": extras}
     if rank == 0:
         extras["site_state"] = {k: torch.from_numpy(np.array(v)) for k, v in site_state.items()}
     torch.save(extras, _rank_file(path, rank))
     dist.barrier()
     if rank == 0:
-        meta = {"round": round_no, "strategy": strategy, "world_size": dist.get_world_size()}
+        meta = {"round": round_no, "parallelism": parallelism, "world_size": dist.get_world_size()}
         (path / "meta.json").write_text(json.dumps(meta))
         tmp = root / "latest.tmp"
         tmp.write_text(path.name)
@@ -94,20 +91,24 @@ def find_latest(workdir: str | Path) -> Path | None:
     return Path(found[0]) if found[0] else None
 
 
-def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, strategy: str) -> Extras | None:
+def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, parallelism: str
+         ) -> tuple[int, dict, dict[str, np.ndarray]] | None:
     """Collective: restore model and optimizer in place (resharded if the layout changed); return
-    this rank's extras, or None when the world size changed (RNG streams cannot be matched)."""
+    (round, this rank's extras, site state), or None when the world size changed (RNG streams
+    cannot be matched)."""
     meta = json.loads((path / "meta.json").read_text())
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    state = _state_dicts(model, optimizer)
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     if meta["world_size"] != dist.get_world_size():
         log.warning("checkpoint %s was written by %d rank(s), this site has %d: model and optimizer restored, "
                     "data-sampling streams start afresh", path, meta["world_size"], dist.get_world_size())
         return None
-    if meta["strategy"] != strategy:
-        log.info("checkpoint %s was written under %s, resharded for %s", path, meta["strategy"], strategy)
+    if meta["parallelism"] != parallelism:
+        log.info("checkpoint %s was written under %s, resharded for %s", path, meta["parallelism"], parallelism)
     raw = torch.load(_rank_file(path, dist.get_rank()), weights_only=True)
     site_state = {k: v.numpy().copy() for k, v in raw.get("site_state", {}).items()}
-    return Extras(int(raw["round"]), int(raw["rounds_trained"]), raw["generator"], raw["torch_rng"], site_state)
+    return int(raw["round"]), raw["extras"], site_state

@@ -1,27 +1,60 @@
-"""One rank of a site's local distributed trainer: model, optimizer, data and the round's work.
+"""The built-in training loop: runs a declarative `Task` on one rank of a site, through the session.
 
-No endpoint, no commands: `service.TrainerService` drives it in lock-step on every rank, and tests
-drive it directly. Every method that takes part in a collective says so; all ranks must call it.
+The framework's part of a task: the model built for the site's parallelism (ddp, or meta-device
+construction and sharding under ZeRO, with rank 0's real build streamed into every shard when
+some weights do not travel), the optimizer and learning-rate schedule, batch sampling, gradient
+accumulation, bf16, evaluation, and local checkpoints. It answers the coordinator through
+`session.Session.rounds()`, exactly as a user's own script does: one machinery for both.
+
+Every method that takes part in a collective says so; all ranks must call it. Tests and
+benchmarks drive it directly (load_global / train / gather) without the endpoint.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn as nn
+from torch.utils.data import default_collate
 
-from site_trainer import host_memory, local_checkpoint, strategies, workloads
+from site_trainer import host_memory, layout, strategies, transfer, workload_loader
 from site_trainer.config import TrainerConfig
+from site_trainer.session import RequestRejected, Session
+from site_trainer.workload import Batch, TaskContext
 
 log = logging.getLogger("sovfl.trainer")
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+EVAL_CHUNK = 256  # validation examples per forward pass
+
+
+def fetch(dataset: Any, indices: torch.Tensor, collate: Callable | None) -> Batch:
+    """The batch of `indices`: a dataset's `take` (whole batch at once) when it has one, else its
+    examples one by one through `collate` (torch's default_collate when the task gives none)."""
+    take = getattr(dataset, "take", None)
+    if take is not None:
+        return take(indices)
+    items = [dataset[i] for i in indices.tolist()]
+    return (collate or default_collate)(items)
+
+
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    """Every tensor of a batch (nested tuples, lists, dicts) on `device`."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=batch.is_pinned())
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        out = [to_device(v, device) for v in batch]
+        return type(batch)(*out) if hasattr(batch, "_fields") else type(batch)(out)  # namedtuples too
+    return batch
 
 
 class LocalTrainer:
@@ -30,48 +63,129 @@ class LocalTrainer:
         s = cfg.site
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
-        self.strategy = s.strategy
+        self.parallelism = s.parallelism
         self.device = strategies.device_for(s.backend)
-        if s.strategy in strategies.SHARDED and self.device.type == "cpu":  # ZeRO saving host memory
+        sharded = s.parallelism in strategies.SHARDED
+        if sharded and self.device.type == "cpu":  # ZeRO saving host memory
             host_memory.return_freed_memory_eagerly()
-        strategies.check_supported(s.strategy, s.backend, self.device)
+        strategies.check_supported(s.parallelism, s.backend, self.device)
         self.dtype = strategies.compute_dtype(s.mixed_precision, self.device)
+        ctx = TaskContext(role="site", seed=cfg.seed, site=s.id, partition=s.partition,
+                          num_partitions=cfg.num_partitions, rank=self.rank, world_size=self.world, device=self.device,
+                          workdir=Path(cfg.workdir), log=logging.getLogger(f"sovfl.task.{s.id}"))
+        self.task = workload_loader.build_task(cfg.workload, ctx, cfg.options)
         torch.manual_seed(cfg.seed)
-        self.data = workloads.build_data(cfg.workload, s.partition, cfg.num_partitions, cfg.seed)
-        self.loss_fn = workloads.loss_fn(cfg.workload)
-        sharded = s.strategy in strategies.SHARDED
-        # Under ZeRO no rank materializes the full model: built on the meta device, sharded, then
-        # given storage for its own shards only; the real weights arrive with every round request.
-        module = workloads.make_model(cfg.workload, cfg.seed, device="meta" if sharded else None)
-        self.names = list(module.state_dict().keys())
-        self.spec = {n: ("<f4", tuple(t.shape)) for n, t in module.state_dict().items()}
-        if not sharded:
-            module.to(self.device)
-        self.model = strategies.wrap(module, s.strategy, self.dtype, s.activation_checkpointing, self.device)
-        if sharded:
-            with host_memory.long_lived():
-                strategies.materialize_shards(module, self.device)
-        self.optimizer = strategies.make_optimizer(self.model.parameters(), s.optimizer, s.lr, host_memory.long_lived)
-        self.module = module
-        self.train_idx = torch.arange(len(self.data.train_y))[self.rank :: self.world]
-        self.val_idx = torch.arange(len(self.data.val_y))[self.rank :: self.world]
+        self.data = self.task.build_data()
+        self.module, self.model, exchanged, frozen = self._build_model(sharded)
+        self.replicated = strategies.replicated_params(self.module) if sharded else []
+        groups = strategies.param_groups(self.module.named_parameters(), s.weight_decay)
+        self.optimizer = strategies.make_optimizer(groups, s.optimizer, s.lr, host_memory.long_lived)
+        n_val = len(self.data.val) if self.data.val is not None else 0
+        self.train_idx = torch.arange(len(self.data.train))[self.rank :: self.world]
+        self.val_idx = torch.arange(n_val)[self.rank :: self.world]
         if len(self.train_idx) == 0:
             raise RuntimeError(f"site {s.id}: rank {self.rank} has no training data; use fewer ranks")
         self.gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + s.partition * 1009 + self.rank)
         self.rounds_trained = 0
+        self.sched_step = 0  # optimizer steps into the learning-rate schedule
+        self.total_steps = cfg.rounds * s.local_steps if cfg.rounds else None
+        self.session = Session(self.model, cfg, exchanged=exchanged, optimizer=self.optimizer, state=self,
+                               frozen=frozen, num_examples=len(self.data.train), num_val_examples=n_val,
+                               device=self.device, describe={"compute": "bf16" if self.dtype else "fp32",
+                                                             "loop": "task"})
         if self.rank == 0:
-            log.info("site %s: strategy %s on %d rank(s) (%d node(s)), %s compute, grad_accum %d%s", s.id, s.strategy,
+            lay = self.session.layout
+            log.info("site %s: task %s, parallelism %s on %d rank(s) (%d node(s)), %s compute, grad_accum %d%s; "
+                     "%d tensor(s) (%d values) exchanged, %d frozen", s.id, cfg.workload.name, s.parallelism,
                      self.world, s.nnodes, "bf16" if self.dtype else "fp32", s.grad_accum,
-                     ", activation checkpointing" if s.activation_checkpointing else "")
+                     ", activation checkpointing" if s.activation_checkpointing else "", len(lay.exchanged),
+                     sum(x.numel for x in lay.exchanged), len(lay.frozen))
+
+    # ---- the model ----------------------------------------------------------------------------
+    def _build_model(self, sharded: bool) -> tuple[nn.Module, nn.Module, list[str], layout.FrozenDigest]:
+        """Collective: (module, model to train, exchanged names, frozen digest).
+
+        ddp: every rank builds the real model; DDP's construction broadcasts rank 0's parameters
+        and buffers, and rank 0 fingerprints the frozen ones. ZeRO: every rank builds parameters
+        on the meta device (buffers real) and allocates only its shards; when some tensors do not
+        travel, rank 0 also builds the real model and streams it, tensor by tensor, into every
+        rank's shards, fingerprinting the frozen tensors on the way.
+        """
+        s = self.cfg.site
+        torch.manual_seed(self.cfg.seed)
+        with strategies.parameters_on_meta() if sharded else contextlib.nullcontext():
+            module = self.task.build_model()
+        exchanged = list(self.task.exchanged(module))
+        lay = layout.Layout.of(module, exchanged)
+        blocks = list(self.task.blocks(module))
+        if not sharded:
+            module.to(self.device)
+        model = strategies.wrap(module, s.parallelism, self.dtype, s.activation_checkpointing, self.device, blocks)
+        frozen = layout.FrozenDigest()
+        if sharded:
+            with host_memory.long_lived():
+                strategies.materialize_shards(module, self.device)
+            if lay.frozen:
+                self._stream_rank0_build(module, lay, frozen)
+        elif self.rank == 0:
+            tensors = layout.named_tensors(module)
+            for name in lay.frozen:
+                frozen.update(name, tensors[name])
+        return module, model, lay.names, frozen
+
+    def _stream_rank0_build(self, module: nn.Module, lay: layout.Layout, frozen: layout.FrozenDigest) -> None:
+        """Collective: rank 0 builds the real model on its CPU and streams every state-dict tensor
+        (parameters and buffers, a tied one once) into each rank's shards; the frozen ones are
+        hashed as they pass."""
+        ref: dict[str, torch.Tensor] = {}
+        if self.rank == 0:
+            torch.manual_seed(self.cfg.seed)
+            ref = layout.named_tensors(self.task.build_model())
+        tensors = layout.named_tensors(module)
+        seen: set[int] = set()
+        entries = []
+        for name, t in tensors.items():
+            if id(t) not in seen:
+                seen.add(id(t))
+                entries.append((name, t))
+        order = list(tensors)
+        to_hash = set(lay.frozen)
+        done = [0]
+
+        def hash_up_to(position: int) -> None:
+            while done[0] < position:
+                name = order[done[0]]
+                if name in to_hash:
+                    frozen.update(name, ref[name])
+                done[0] += 1
+
+        def read(name: str, out: np.ndarray) -> None:
+            t = ref[name].detach().contiguous()
+            out[...] = layout.to_wire(t)
+            hash_up_to(order.index(name) + 1)
+
+        with torch.no_grad():
+            transfer.stream_in(entries, read if self.rank == 0 else None, self.device, check_finite=False)
+        if self.rank == 0:
+            hash_up_to(len(order))
+        del ref
 
     # ---- the round ------------------------------------------------------------------------
     def load_global(self, arrays: Mapping[str, np.ndarray] | None) -> None:
-        """Collective: rank 0 holds the validated global model in `arrays`; every rank gets it."""
-        strategies.load_full_state(self.module, self.device, arrays)
+        """Collective: rank 0 holds the global model in `arrays`; every rank gets it."""
+        refused = self.session.load(arrays)
+        if refused:
+            raise RequestRejected("; ".join(f"global tensor {n} {why}" for n, why in refused.items()))
 
     def sample(self, size: int) -> Batch:
         pick = self.train_idx[torch.randint(len(self.train_idx), (size,), generator=self.gen)]
-        return self.data.train_x[pick], self.data.train_y[pick]
+        return fetch(self.data.train, pick, self.data.collate)
+
+    def _set_lr(self) -> None:
+        s = self.cfg.site
+        lr = strategies.lr_at(self.sched_step, s.lr, s.warmup_steps, s.lr_schedule, self.total_steps, s.min_lr)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
 
     def step(self, micro_batches: list[Batch]) -> torch.Tensor:
         """Collective: one optimizer step over `micro_batches`, syncing gradients only on the last.
@@ -83,21 +197,33 @@ class LocalTrainer:
         """
         k = len(micro_batches)
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for i, (x, y) in enumerate(micro_batches):
-            x, y = x.to(self.device), y.to(self.device)
-            with strategies.gradient_sync(self.model, self.strategy, sync=i == k - 1):
-                with strategies.autocast(self.strategy, self.device, self.dtype):
-                    loss, _ = self.loss_fn(self.model, x, y)
+        for i, batch in enumerate(micro_batches):
+            n = self.task.batch_size(batch)
+            batch = to_device(batch, self.device)
+            with strategies.gradient_sync(self.model, self.parallelism, sync=i == k - 1):
+                with strategies.autocast(self.parallelism, self.device, self.dtype):
+                    loss = self.task.loss(self.model, batch)
                 (loss.float() / k).backward()
-            total[0] += loss.detach().double() * len(y)
-            total[1] += len(y)
+            total[0] += loss.detach().double() * n
+            total[1] += n
+        if self.replicated:
+            strategies.average_grads(self.replicated)
+        self._set_lr()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.sched_step += 1
         return total
 
-    def train(self, steps: int) -> dict:
-        """Collective: `steps` optimizer steps of `grad_accum` sampled micro-batches each."""
+    def train(self, steps: int, round_no: int | None = None) -> dict:
+        """Collective: `steps` optimizer steps of `grad_accum` sampled micro-batches each; returns this
+        rank's report (the site's loss and samples, already summed over ranks).
+
+        `round_no` (from the request) places the learning-rate schedule: round r starts at step
+        (r - 1) x local_steps, so a site that was not sampled in some rounds is where the others are.
+        """
         s = self.cfg.site
+        if round_no is not None and round_no >= 1:
+            self.sched_step = (round_no - 1) * s.local_steps
         self.model.train()
         total, t0 = torch.zeros(2, dtype=torch.float64, device=self.device), time.perf_counter()
         for _ in range(steps):
@@ -105,7 +231,8 @@ class LocalTrainer:
         total = self._summed(total)  # waits for the device: train_s covers the work, not just its queuing
         seconds = time.perf_counter() - t0
         self.rounds_trained += 1
-        out = {"loss": float(total[0] / total[1]), "steps": steps, "samples_seen": int(total[1]), "train_s": seconds}
+        out = {"num_examples": len(self.train_idx), "loss": float(total[0] / total[1]), "steps": steps,
+               "samples_seen": int(total[1]), "train_s": seconds}
         if self.device.type == "cuda":
             out["cuda_peak_bytes"] = self._peak_cuda_bytes()
         return out
@@ -127,71 +254,79 @@ class LocalTrainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict:
-        """Collective: every rank runs the same number of forward passes (ZeRO gathers in each).
+        """Collective: this rank's report of the task's `evaluate` over its share of the validation set.
 
-        Uses the bare module: under DDP that skips the wrapper, under ZeRO it is the sharded model.
+        Every rank runs the same number of forward passes (ZeRO gathers in each): a rank whose share
+        is exhausted evaluates a stand-in batch and discards it. Uses the bare module: under DDP that
+        skips the wrapper, under ZeRO it is the sharded model.
         """
+        val = self.data.val
+        n_val = len(val) if val is not None else 0
+        if n_val == 0:
+            return {"num_examples": 0, "loss": 0.0}
         self.model.eval()
-        d = self.data
-        acc = torch.zeros(3, dtype=torch.float64)
-        longest = -(-len(d.val_y) // self.world)
-        for chunk in self.val_idx.tensor_split(max(1, -(-longest // 256))):
+        sums: dict[str, torch.Tensor] = {}
+        longest = -(-n_val // self.world)
+        for chunk in self.val_idx.tensor_split(max(1, -(-longest // EVAL_CHUNK))):
             real = len(chunk) > 0
-            chunk = chunk if real else torch.zeros(1, dtype=torch.long)  # keep in step with the others
-            with strategies.autocast(self.strategy, self.device, self.dtype):
-                loss, correct = self.loss_fn(self.module, d.val_x[chunk].to(self.device), d.val_y[chunk].to(self.device))
-            if real:
-                acc += torch.tensor([loss.item() * len(chunk), len(chunk), max(correct, 0)], dtype=torch.float64)
-        strategies.after_forward_only(self.model, self.strategy)
-        acc = self._summed(acc)
-        out = {"eval_loss": float(acc[0] / max(acc[1], 1)), "num_val_examples": int(acc[1])}
-        if d.val_y.dtype == torch.long and d.val_y.dim() == 1:
-            out["eval_accuracy"] = float(acc[2] / max(acc[1], 1))
-        return out
+            batch = fetch(val, chunk if real else torch.zeros(1, dtype=torch.long), self.data.collate)
+            with strategies.autocast(self.parallelism, self.device, self.dtype):
+                out = self.task.evaluate(self.module, to_device(batch, self.device))
+            for k, v in out.items():
+                v = torch.as_tensor(v, dtype=torch.float64, device=self.device) if not isinstance(v, torch.Tensor) \
+                    else v.detach().to(self.device, torch.float64)
+                sums[k] = sums.get(k, 0) + (v if real else torch.zeros_like(v))
+        strategies.after_forward_only(self.model, self.parallelism)
+        if "loss" not in sums or "examples" not in sums:
+            raise ValueError(f"{type(self.task).__name__}.evaluate must return 'loss' (summed) and 'examples'; "
+                             f"got {sorted(sums)}")
+        n = int(sums.pop("examples").item())
+        report: dict[str, Any] = {"num_examples": n, "loss": sums.pop("loss") / max(n, 1)}
+        if "correct" in sums:
+            report["accuracy"] = sums.pop("correct") / max(n, 1)
+        report.update({k: v / max(n, 1) for k, v in sums.items()})
+        return report
 
-    @torch.no_grad()
+    def serve(self) -> None:
+        """Collective: answer the coordinator's rounds until the trainer is stopped."""
+        for rnd in self.session.rounds():
+            self.run_round(rnd)
+
+    def run_round(self, rnd) -> None:
+        """Collective: the built-in loop's part of one round (the global model is already loaded)."""
+        if rnd.evaluating:
+            rnd.report(**self.evaluate())
+        else:
+            rnd.report(**self.train(rnd.local_steps, rnd.number))
+
+    def run_request(self, method: str, request: dict) -> dict:
+        """Collective: one Train or Evaluate request in-process, through the same code as a served
+        one (benchmarks measure rounds this way); the reply on rank 0, {} elsewhere."""
+        return self.session.serve_one(method, request, self.run_round)
+
+    # ---- tools and tests --------------------------------------------------------------------
     def gather(self, visit: Callable[[str, torch.Tensor], None] | None = None) -> list[str]:
-        """Collective: walk the full weights (rank 0 passes `visit` to pack them) and return every
-        rank's digest. See `strategies.visit_full_state` for what a digest covers."""
-        mine = strategies.visit_full_state(self.module, visit)
-        if self.world == 1:
-            return [mine]
-        out: list = [None] * self.world
-        dist.all_gather_object(out, mine)
-        return out
+        """Collective: walk the full exchanged tensors (rank 0 passes `visit`); every rank's digest."""
+        return self.session.gather(visit)
 
     def full_state(self) -> dict[str, np.ndarray]:
-        """Collective: the full fp32 weights on rank 0 ({} elsewhere); for tests and tools."""
-        out: dict[str, np.ndarray] = {}
-        keep = (lambda n, t: out.__setitem__(n, t.numpy().copy())) if self.rank == 0 else None
-        self.gather(keep)
-        return out
+        """Collective: the exchanged tensors on rank 0 ({} elsewhere); for tests and tools."""
+        return self.session.full_state()
 
     # ---- local checkpoints ----------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """What a local checkpoint keeps of this loop: sampling stream, schedule position, rounds."""
+        return {"generator": self.gen.get_state(), "sched_step": self.sched_step, "rounds_trained": self.rounds_trained}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.gen.set_state(state["generator"])
+        self.sched_step = int(state["sched_step"])
+        self.rounds_trained = int(state["rounds_trained"])
+
     def save_checkpoint(self, round_no: int, site_state: dict[str, np.ndarray]) -> Path:
         """Collective: a sharded checkpoint of everything a resumed rank needs."""
-        t0 = time.perf_counter()
-        path = local_checkpoint.save(self.cfg.workdir, round_no, self.rounds_trained, self.model, self.optimizer, self.gen, site_state,
-                                     self.strategy, self.cfg.site.checkpoint_keep)
-        if self.rank == 0:
-            log.info("site %s: local checkpoint of round %d in %s (%.2fs)", self.cfg.site.id, round_no, path,
-                     time.perf_counter() - t0)
-        return path
+        return self.session.save_checkpoint(round_no, site_state)
 
     def resume(self) -> tuple[int, dict[str, np.ndarray]] | None:
         """Collective: restore the newest local checkpoint if there is one; returns (round, site_state)."""
-        path = local_checkpoint.find_latest(self.cfg.workdir)
-        if path is None:
-            return None
-        extras = local_checkpoint.load(path, self.model, self.optimizer, self.strategy)
-        round_no = -1
-        site_state: dict[str, np.ndarray] = {}
-        if extras is not None:
-            self.gen.set_state(extras.generator)
-            torch.set_rng_state(extras.torch_rng)
-            round_no, site_state = extras.round, extras.site_state
-            self.rounds_trained = extras.rounds_trained
-        if self.rank == 0:
-            log.info("site %s: resumed from local checkpoint %s (round %d: model, optimizer, RNG, %d site-state "
-                     "array(s))", self.cfg.site.id, path, round_no, len(site_state))
-        return round_no, site_state
+        return self.session.resume()

@@ -1,4 +1,4 @@
-"""How a site's ranks share one model: `ddp`, `zero2` or `zero3`, with optional bf16 and recompute.
+"""How a site's ranks share one model (`parallelism`): `ddp`, `zero2` or `zero3`, with optional bf16 and recompute.
 
 - `ddp`: every rank holds parameters, gradients and optimizer state (16P bytes with fp32 Adam).
 - `zero2`: FSDP2 `fully_shard(reshard_after_forward=False)`: gradients and optimizer state are
@@ -7,22 +7,22 @@
 - `zero3`: FSDP2 with `reshard_after_forward=True`: parameters are sharded too and gathered per
   block in forward and again in backward (16P/K bytes, twice the all-gathers).
 
-Transformer models (anything with a `blocks` ModuleList) are sharded block by block so that only
-one block is ever gathered under ZeRO-3; other models are sharded as one unit. Parameter names
-are unchanged by every strategy, so the hand-off layout is the same for all of them.
+Models with repeated blocks (`find_blocks`: Hugging Face's `_no_split_modules` classes, else the
+longest ModuleList of one class) are sharded block by block, so that only one block is ever
+gathered under ZeRO-3; other models are sharded as one unit. Parameter names are unchanged by
+every strategy, so the hand-off layout is the same for all of them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import logging
+import math
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Sequence
 from typing import Callable
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -37,7 +37,7 @@ FORCE_BF16_ENV = "SOVFL_BF16_EMULATED"  # tests only: run bf16 even where the CP
 
 
 class StrategyUnavailable(RuntimeError):
-    """The configured strategy cannot run on this backend or device; says what to change."""
+    """The configured parallelism cannot run on this backend or device; says what to change."""
 
 
 def device_for(backend: str) -> torch.device:
@@ -60,8 +60,8 @@ def check_supported(strategy: str, backend: str, device: torch.device) -> None:
     try:
         from torch.distributed.fsdp import fully_shard  # noqa: F401
     except ImportError:
-        raise StrategyUnavailable(f"strategy {strategy!r} needs torch's FSDP2 (fully_shard, torch >= 2.6); "
-                                  f"this is torch {torch.__version__}: upgrade torch or use strategy 'ddp'") from None
+        raise StrategyUnavailable(f"parallelism {strategy!r} needs torch's FSDP2 (fully_shard, torch >= 2.6); "
+                                  f"this is torch {torch.__version__}: upgrade torch or use parallelism 'ddp'") from None
     world = dist.get_world_size()
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -71,8 +71,8 @@ def check_supported(strategy: str, backend: str, device: torch.device) -> None:
         all_gather(torch.empty(2 * world, device=device), out)
     except (RuntimeError, NotImplementedError, ValueError) as err:
         raise StrategyUnavailable(
-            f"strategy {strategy!r} needs reduce-scatter and all-gather, which backend {backend!r} on "
-            f"{device.type} does not provide here ({str(err).splitlines()[0]}); use strategy 'ddp', or "
+            f"parallelism {strategy!r} needs reduce-scatter and all-gather, which backend {backend!r} on "
+            f"{device.type} does not provide here ({str(err).splitlines()[0]}); use parallelism 'ddp', or "
             "backend 'nccl' on GPUs") from None
 
 
@@ -91,10 +91,58 @@ def compute_dtype(mixed_precision: str, device: torch.device) -> torch.dtype | N
     return None
 
 
-def transformer_blocks(module: nn.Module) -> list[nn.Module]:
-    """The repeated blocks of a transformer (the unit of sharding and of recompute), if any."""
-    blocks = getattr(module, "blocks", None)
-    return list(blocks) if isinstance(blocks, nn.ModuleList) else []
+def find_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated layers of a model (units of sharding and of recompute), found generically.
+
+    A Hugging Face model names them: the modules whose class is in `_no_split_modules` (its
+    decoder layers), outermost ones only. Otherwise: the longest `nn.ModuleList` whose members
+    are all of one class (a GPT's blocks), or none.
+    """
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    if names:
+        found: list[nn.Module] = []
+        inside: set[int] = set()
+        for m in model.modules():
+            if id(m) in inside or m is model:
+                continue
+            if type(m).__name__ in names:
+                found.append(m)
+                inside.update(id(x) for x in m.modules())
+        if found:
+            return found
+    best: list[nn.Module] = []
+    for m in model.modules():
+        if isinstance(m, nn.ModuleList) and len(m) > len(best) and len({type(x) for x in m}) == 1:
+            best = list(m)
+    return best
+
+
+@contextlib.contextmanager
+def parameters_on_meta():
+    """Build a model with its parameters on the meta device and its buffers real.
+
+    ZeRO ranks never hold the full model: they build its structure, shard it, then allocate their
+    shards. Buffers stay real because some are made only by the constructor (non-persistent ones
+    such as rotary `inv_freq` are in no state dict and could not be restored). Each parameter is
+    moved to meta as it is registered, so its initialisation (`reset_parameters`) runs on meta:
+    no compute and no memory beyond one transient empty tensor.
+    """
+    register = nn.Module.register_parameter
+
+    def on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(self, name, param)
+        p = self._parameters.get(name)
+        if p is not None and p.device.type != "meta":
+            extra = {k: v for k, v in vars(p).items() if k != "_is_param"}
+            moved = type(p)(p.detach().to("meta"), requires_grad=p.requires_grad)
+            vars(moved).update(extra)
+            self._parameters[name] = moved
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
 
 
 def _recompute_in_backward(block: nn.Module) -> None:
@@ -109,15 +157,17 @@ def _recompute_in_backward(block: nn.Module) -> None:
 
 
 def wrap(module: nn.Module, strategy: str, dtype: torch.dtype | None, activation_checkpointing: bool,
-         device: torch.device) -> nn.Module:
-    """Return the model to train: DDP around `module`, or `module` itself sharded in place (FSDP2)."""
-    blocks = transformer_blocks(module)
+         device: torch.device, blocks: Sequence[nn.Module] | None = None) -> nn.Module:
+    """Return the model to train: DDP around `module`, or `module` itself sharded in place (FSDP2),
+    block by block (`blocks`, default `find_blocks(module)`)."""
+    blocks = list(find_blocks(module) if blocks is None else blocks)
     if activation_checkpointing:
         if blocks:
             for block in blocks:
                 _recompute_in_backward(block)
         else:
-            log.warning("activation_checkpointing: %s has no `blocks`; nothing to recompute", type(module).__name__)
+            log.warning("activation_checkpointing: found no repeated blocks in %s; nothing to recompute",
+                        type(module).__name__)
     if strategy == "ddp":
         ddp = DDP(module, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
         if dtype is not None:
@@ -127,10 +177,28 @@ def wrap(module: nn.Module, strategy: str, dtype: torch.dtype | None, activation
 
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype) if dtype is not None else MixedPrecisionPolicy()
     reshard = strategy == "zero3"
+    ignored = set(replicated_params(module)) or None
     for block in blocks:
-        fully_shard(block, reshard_after_forward=reshard, mp_policy=mp)
-    fully_shard(module, reshard_after_forward=reshard, mp_policy=mp)
+        fully_shard(block, reshard_after_forward=reshard, mp_policy=mp, ignored_params=ignored)
+    fully_shard(module, reshard_after_forward=reshard, mp_policy=mp, ignored_params=ignored)
     return module
+
+
+def replicated_params(module: nn.Module) -> list[nn.Parameter]:
+    """Parameters ZeRO leaves whole on every rank: 0-dim ones (FSDP2 cannot shard a scalar). Their
+    gradients are averaged by `average_grads` instead of FSDP's reduce-scatter."""
+    return [p for p in module.parameters() if p.dim() == 0]
+
+
+def average_grads(params: Sequence[nn.Parameter]) -> None:
+    """Collective: average the gradients of `params` over all ranks (what DDP/FSDP do for the rest)."""
+    world = dist.get_world_size()
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)  # unused here: every rank still joins the reduction
+        if world > 1:
+            dist.all_reduce(p.grad)
+            p.grad.div_(world)
 
 
 def _reduce_in(dtype: torch.dtype):
@@ -184,76 +252,41 @@ def after_forward_only(model: nn.Module, strategy: str) -> None:
 
 
 def materialize_shards(module: nn.Module, device: torch.device) -> None:
-    """Give a meta-built, sharded module storage for this rank's shards only, zero-filled.
+    """Give a meta-built, sharded module storage for this rank's shards only, zero-filled; buffers
+    built real (see `parameters_on_meta`) keep their values, moved to `device`.
 
-    The real weights arrive with every request (`load_full_state`) or from a local checkpoint;
-    until then the shards hold zeros rather than uninitialized memory.
+    The real weights arrive with every request, from rank 0's streamed build or from a local
+    checkpoint (site_trainer/transfer.py); until then the shards hold zeros rather than garbage.
     """
+    real = {name: b.detach().clone() for name, b in module.named_buffers() if b.device.type != "meta"}
     module.to_empty(device=device)
     with torch.no_grad():
-        for t in module.state_dict().values():
-            (t.to_local() if isinstance(t, DTensor) else t).zero_()
-
-
-def _shard_of(full: torch.Tensor, local: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    """This rank's part of `full` under FSDP2's layout: dim-0 chunks over all ranks, as torch.chunk
-    cuts them (the last ranks may hold an empty one)."""
-    chunks = full.chunk(world, dim=0)
-    mine = chunks[rank] if rank < len(chunks) else full[:0]
-    if mine.shape != local.shape:
-        raise RuntimeError(f"shard layout mismatch: rank {rank} of {world} holds {tuple(local.shape)} of "
-                           f"{tuple(full.shape)}, expected {tuple(mine.shape)} (dim-0 sharding over all ranks)")
-    return mine
-
-
-def load_full_state(module: nn.Module, device: torch.device, arrays: Mapping[str, np.ndarray] | None) -> None:
-    """Collective: every rank gets the global model that rank 0 reads from `arrays` (None elsewhere).
-
-    One tensor at a time, whatever the strategy: rank 0 reads it (from the hand-off file, see
-    `handoff.Reader`), broadcasts it, and each rank copies in what it keeps, the whole tensor under
-    ddp, its shard under ZeRO. No rank ever holds more of the full model than one tensor of it.
-    """
-    rank, world = dist.get_rank(), dist.get_world_size()
-    with torch.no_grad():
-        for name, t in module.state_dict().items():
-            if rank == 0:
-                full = torch.from_numpy(np.asarray(arrays[name])).to(device=device, dtype=t.dtype)
+        for name, p in module.named_parameters():
+            (p.to_local() if isinstance(p, DTensor) else p).zero_()
+        for name, b in module.named_buffers():
+            if name in real:
+                b.copy_(real[name])
             else:
-                full = torch.empty(t.shape, dtype=t.dtype, device=device)
-            if world > 1:
-                dist.broadcast(full, src=0)
-            if isinstance(t, DTensor):
-                local = t.to_local()
-                local.copy_(_shard_of(full, local, rank, world))
-            else:
-                t.copy_(full)
-            del full  # freed before the next tensor is allocated
+                b.zero_()
 
 
-def visit_full_state(module: nn.Module, visit: Callable[[str, torch.Tensor], None] | None) -> str:
-    """Collective under ZeRO: walk the full weights in state-dict order, one CPU tensor at a time,
-    calling `visit` on each; return their digest.
-
-    Each sharded tensor is all-gathered, visited and dropped before the next, so no rank holds the
-    full model because of this (rank 0 streams it straight into the hand-off file). The digest is
-    sha256 (16 hex chars) of the fp32 bytes of all entries, back to back: under DDP of this rank's
-    replica, under ZeRO of the full model as this rank assembles it from every shard. Equal for
-    equal weights whatever the strategy.
-    """
-    h = hashlib.sha256()
-    for name, t in module.state_dict().items():
-        full = (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().contiguous()
-        h.update(full.numpy())
-        if visit is not None:
-            visit(name, full)
-    return h.hexdigest()[:16]
+def param_groups(named: Iterable[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
+    """The trainable parameters, decayed only where they are matrices (weights of linear layers and
+    embeddings), as in GPT-2 and nanoGPT: biases and norm gains are left alone. One group when
+    there is no decay."""
+    params = [(n, p) for n, p in named if p.requires_grad]
+    if not weight_decay:
+        return [{"params": [p for _, p in params], "weight_decay": 0.0}]
+    return [{"params": [p for _, p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for _, p in params if p.dim() < 2], "weight_decay": 0.0}]
 
 
-def make_optimizer(params: Iterable[nn.Parameter], name: str, lr: float,
-                   state_placement: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+def make_optimizer(params: Iterable[nn.Parameter] | list[dict], name: str, lr: float,
+                   state_placement: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                    ) -> torch.optim.Optimizer:
     """SGD, or AdamW with the fused kernel: one pass per tensor and no model-sized temporary (the
     default foreach AdamW on GPUs allocates sqrt(v) for every parameter at once: 4P/K more bytes).
+    `params` may be parameter groups (`param_groups`, with their weight decay).
 
     AdamW's state is created here, not in the first `step()`: that step runs when every gradient is
     alive, the worst moment to allocate 8P/K bytes of moments (and, on a GPU, to carve them out of
@@ -267,8 +300,20 @@ def make_optimizer(params: Iterable[nn.Parameter], name: str, lr: float,
         return torch.optim.SGD(params, lr=lr)
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True)
     with state_placement(), torch.no_grad():
-        for p in params:
-            optimizer.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
-                                  "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                                  "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                optimizer.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
+                                      "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                                      "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
     return optimizer
+
+
+def lr_at(step: int, lr: float, warmup_steps: int, schedule: str, total_steps: int | None, min_lr: float) -> float:
+    """The learning rate of optimizer step `step` (0-based): linear warm-up over `warmup_steps`, then
+    constant, or cosine from `lr` to `min_lr` at `total_steps` (and `min_lr` after)."""
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    if schedule == "constant" or not total_steps:
+        return lr
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))

@@ -73,6 +73,30 @@ class Dataset(ABC):
     def __getitem__(self, index: int) -> Any: ...
 
 
+class TensorRows(Dataset):
+    """Examples as the rows of equally long tensors (features, labels, ...), already in memory.
+
+    For data that is small enough to hold (the built-in toys); `take` gathers a whole batch with
+    one index per tensor instead of collating examples one by one. A site's real corpus belongs
+    in a file-backed Dataset instead.
+    """
+
+    def __init__(self, *tensors: torch.Tensor):
+        if not tensors or any(len(t) != len(tensors[0]) for t in tensors):
+            raise ValueError(f"TensorRows needs tensors of one length, got {[len(t) for t in tensors]}")
+        self.tensors = tensors
+
+    def __len__(self) -> int:
+        return len(self.tensors[0])
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
+        return tuple(t[index] for t in self.tensors)
+
+    def take(self, indices: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The batch of examples `indices` (what collating them one by one would give)."""
+        return tuple(t[indices] for t in self.tensors)
+
+
 @dataclass
 class TaskData:
     """A site's local examples. They never leave the site."""

@@ -36,6 +36,18 @@ def sovfl_popen(*args: str, env: dict | None = None) -> subprocess.Popen:
 
 
 @pytest.fixture
+def single_rank_group():
+    """A real gloo process group of one rank, in this process."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
 def marker() -> str:
     return uuid.uuid4().hex
 

@@ -22,7 +22,8 @@ from crypto.attestation.testing import GOOD_MEASUREMENT, LocalTokenAttester, Loc
 from crypto.pki import CoordinatorBundle, SiteBundle, provision
 from crypto.pki.keys import raw_public
 from federation.site import client_app
-from federation.config import AttestationConfig, parse_config, resolve
+from federation.config import AttestationConfig, resolve
+from federation.config.schema import parse_config
 from federation.coordinator.driver import Coordinator
 from federation.coordinator.driver import Site as CoordSite
 from federation.coordinator.strategy import Exchange

@@ -59,7 +59,7 @@ def test_federation_with_topk_uplink_and_int8_downlink(tmp_path, marker):
     real messages carry, every site ends up holding the same model, and the model trains."""
     cfg = {"federation": {"name": "topk", "rounds": 2, "quorum": 2, "codec": "topk:0.05+int8",
                           "downlink_codec": "int8"},
-           "workload": {"name": "digits", "hidden": 32},
+           "workload": {"task": "digits", "options": {"hidden": 32}},
            "sites": [{"id": n, "ranks": 1, "partition": i, "local_steps": 20, "batch_size": 16, "lr": 0.3}
                      for i, n in enumerate(["a", "b"])]}
     path = write_config(tmp_path / "topk.yaml", cfg)

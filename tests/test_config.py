@@ -11,7 +11,7 @@ from federation.config.schema import ConfigError, load_config
 
 GOOD = {
     "federation": {"name": "t", "rounds": 2, "quorum": 2},
-    "workload": {"name": "digits"},
+    "workload": {"task": "digits"},
     "sites": [
         {"id": "a", "ranks": 2, "partition": 0},
         {"id": "b", "ranks": 1, "partition": 1},
@@ -48,10 +48,10 @@ BAD = [
     ("bad backend", _with(["sites", 0, "backend"], "mpi"), "sites.0.backend", "gloo"),
     ("zero lr", _with(["sites", 0, "lr"], 0), "sites.0.lr", "greater than 0"),
     ("bad site id", _with(["sites", 0, "id"], "a b"), "sites.0.id", "pattern"),
-    ("bad workload", _with(["workload", "name"], "imagenet"), "workload.name", "digits"),
+    ("bad workload", _with(["workload", "task"], "imagenet"), "workload.task", "digits"),
     ("bad downlink codec", _with(["federation", "downlink_codec"], "int9"), "federation.downlink_codec",
      "unknown codec stage 'int9'"),
-    ("heads", _with(["workload"], {"name": "slm", "n_embd": 30, "n_head": 4}), "divisible by n_head", ""),
+    ("heads", _with(["workload"], {"task": "slm", "options": {"n_embd": 30, "n_head": 4}}), "divisible by n_head", ""),
     ("attestation without verifiers", _with(["federation", "attestation"], {"enabled": True}),
      "coordinator.sites.verifiers is empty", "dev_issuer"),
     ("attestation override of unknown site", _with(["federation", "attestation"], {

@@ -29,7 +29,7 @@ def test_three_sites_two_ranks_weighted_mean_is_exact(tmp_path, marker):
     cfg = {
         "federation": {"name": "exact", "rounds": 2, "quorum": 3, "update_kind": "weights", "evaluate": False,
                        "deadlines": {"connect_s": 60, "round_s": 60, "trainer_start_s": 120}},
-        "workload": {"name": "digits", "hidden": 32, "partition": "dirichlet"},
+        "workload": {"task": "digits", "options": {"hidden": 32, "partition": "dirichlet"}},
         "sites": [_site(i, n, 2, dump_updates=True) for i, n in enumerate(["paris", "frankfurt", "milan"])],
     }
     path = write_config(tmp_path / "exact.yaml", cfg)
@@ -85,7 +85,7 @@ def test_crash_hang_and_hostile_site(tmp_path, marker):
     cfg = {
         "federation": {"name": "faults", "rounds": 3, "quorum": 2,
                        "deadlines": {"connect_s": 60, "round_s": 20, "evaluate_s": 15, "trainer_start_s": 120}},
-        "workload": {"name": "digits", "hidden": 16},
+        "workload": {"task": "digits", "options": {"hidden": 16}},
         "sites": [_site(0, "a", 1), _site(1, "b", 1), _site(2, "c", 1), _site(3, "hostile", 1, lr=1e30)],
     }
     path = write_config(tmp_path / "faults.yaml", cfg)
@@ -124,7 +124,7 @@ def test_crash_hang_and_hostile_site(tmp_path, marker):
 
 def test_ctrl_c_tears_everything_down(tmp_path, marker):
     cfg = {"federation": {"name": "intr", "rounds": 50, "quorum": 1},
-           "workload": {"name": "digits", "hidden": 8},
+           "workload": {"task": "digits", "options": {"hidden": 8}},
            "sites": [_site(0, "a", 2), _site(1, "b", 1)]}
     path = write_config(tmp_path / "intr.yaml", cfg)
     run = tmp_path / "run"
@@ -154,7 +154,7 @@ def test_coordinator_and_sites_as_separate_commands(tmp_path, marker):
     paris = _site(0, "paris", 1, nnodes=2, rdzv_endpoint=f"127.0.0.1:{free_port()}")
     cfg = {"federation": {"name": "deploy", "rounds": 1, "quorum": 2,
                           "deadlines": {"connect_s": 120, "round_s": 60, "evaluate_s": 60}},
-           "workload": {"name": "digits", "hidden": 8},
+           "workload": {"task": "digits", "options": {"hidden": 8}},
            "sites": [paris, _site(1, "frankfurt", 1)]}
     path = write_config(tmp_path / "deploy.yaml", cfg)
     port = free_port()

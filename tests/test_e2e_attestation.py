@@ -43,7 +43,7 @@ def test_attested_admission_and_sealed_wire_audit(tmp_path, marker, monkeypatch)
                 },
             },
         },
-        "workload": {"name": "digits", "hidden": 8},
+        "workload": {"task": "digits", "options": {"hidden": 8}},
         "sites": [{"id": s, "ranks": 1, "partition": i, "local_steps": 3, "batch_size": 16, "dump_updates": True}
                   for i, s in enumerate("abcd")],
     }

@@ -64,7 +64,7 @@ def test_secagg_exact_sums_dropouts_at_each_stage_abort_and_recovery(tmp_path, m
         "federation": {"name": "secagg-e2e", "rounds": 4, "quorum": 2, "update_kind": "delta", "evaluate": False,
                        "deadlines": {"connect_s": 60, "round_s": 60, "secagg_stage_s": 30, "trainer_start_s": 120},
                        "secagg": {"enabled": True, "threshold": 3, "neighbours": 3, "clip": CLIP, "bits": 32}},
-        "workload": {"name": "digits", "hidden": 16},
+        "workload": {"task": "digits", "options": {"hidden": 16}},
         "sites": [{"id": s, "ranks": 1, "partition": i, "local_steps": 3, "batch_size": 16, "lr": 0.1,
                    "dump_updates": True} for i, s in enumerate(SITES)],
     }

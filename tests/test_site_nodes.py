@@ -16,7 +16,7 @@ from federation.ops.launcher import free_port
 def config(tmp_path):
     sites = [{"id": "paris", "ranks": 1, "nnodes": 2, "rdzv_endpoint": f"127.0.0.1:{free_port()}", "partition": 0},
              {"id": "solo", "ranks": 1, "partition": 1}]
-    return write_config(tmp_path / "nodes.yaml", {"workload": {"name": "digits", "hidden": 8}, "sites": sites})
+    return write_config(tmp_path / "nodes.yaml", {"workload": {"task": "digits", "options": {"hidden": 8}}, "sites": sites})
 
 
 @pytest.mark.parametrize("site,node_rank,needle", [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from site_trainer.config import SiteConfig, TrainerConfig, WorkloadConfig
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("svc")
-    wl = WorkloadConfig(name="digits", hidden=16)
+    wl = WorkloadConfig(task="digits", options={"hidden": 16})
     cfg = TrainerConfig(site=SiteConfig(id="s", ranks=2, partition=0, local_steps=3, batch_size=8, grad_accum=2),
                         workload=wl, num_partitions=2, socket=str(tmp / "s.sock"), workdir=str(tmp / "s"))
     path = tmp / "trainer.json"
@@ -25,7 +26,7 @@ def service(tmp_path_factory):
                                  "-m", "site_trainer", "--config", str(path)], {"OMP_NUM_THREADS": "1"})
     try:
         wait_trainers({"s": proc}, {"s": cfg.socket}, 120, lambda _: None)
-        yield cfg, workloads.initial_weights(wl, 0)
+        yield cfg, workloads.initial_weights(wl, 0), proc
     finally:
         sup.close()
 
@@ -48,7 +49,7 @@ def _update(reply) -> dict[str, np.ndarray]:
 
 
 def test_train_returns_a_real_delta_and_ranks_agree(service):
-    cfg, init = service
+    cfg, init, _ = service
     reply = _call(cfg, "Train", init, round=1, config={"update_kind": "delta"})
     delta = _update(reply)
     assert set(delta) == set(init)
@@ -60,9 +61,14 @@ def test_train_returns_a_real_delta_and_ranks_agree(service):
 
 
 def test_weights_update_kind_returns_trained_weights(service):
-    cfg, init = service
+    cfg, init, _ = service
     w = _update(_call(cfg, "Train", init, round=2, config={"update_kind": "weights"}))
     assert any(not np.allclose(w[k], init[k]) for k in init)
+    # weights, not a delta: a few small steps leave them near where they started, whereas a delta
+    # (near zero) would be about the whole model away from the global weights
+    moved = np.sqrt(sum(float(((w[k] - init[k]) ** 2).sum()) for k in init))
+    size = np.sqrt(sum(float((init[k] ** 2).sum()) for k in init))
+    assert 0 < moved < 0.5 * size, (moved, size)
 
 
 @pytest.mark.parametrize("mutate,needle", [
@@ -72,14 +78,14 @@ def test_weights_update_kind_returns_trained_weights(service):
     (lambda a: {k: np.full_like(v, np.nan) for k, v in a.items()}, "NaN"),
 ])
 def test_bad_global_model_is_refused_and_service_survives(service, mutate, needle):
-    cfg, init = service
+    cfg, init, _ = service
     with pytest.raises(endpoint.TrainerError, match=needle):
         _call(cfg, "Train", mutate(init), round=3)
     assert _call(cfg, "Evaluate", init)["ok"]  # still serving
 
 
 def test_site_state_survives_between_rounds(service):
-    cfg, init = service
+    cfg, init, _ = service
     state = {"residual": np.arange(5, dtype=np.float32)}
     h = handoff.write_arrays(state, "state")
     try:
@@ -89,3 +95,23 @@ def test_site_state_survives_between_rounds(service):
     reply = _call(cfg, "Train", init, round=4, with_state=True)
     back = handoff.map_arrays(handoff.Handle.from_json(reply["state"]))
     np.testing.assert_array_equal(back["residual"], state["residual"])
+
+
+def test_info_reports_the_manifest_the_coordinator_expects(service):
+    cfg, init, _ = service
+    info = endpoint.call(cfg.socket, "Info", {}, timeout_s=10)
+    assert info["manifest"] == workloads.manifest(cfg.workload, 0)
+    assert [n for n, *_ in info["manifest"]["exchanged"]] == list(init)
+    assert info["parallelism"] == "ddp" and info["workload"] == "digits" and info["ranks"] == 2
+
+
+def test_stop_ends_every_rank_cleanly(service):
+    """Last in this module: Stop (like SIGTERM) ends the loop on every rank between rounds; the
+    trainer exits 0 and leaves neither its socket nor hand-off files behind."""
+    cfg, init, proc = service
+    left = Path(_call(cfg, "Train", init, round=9)["update"]["path"])  # the trainer releases it later
+    assert left.exists()
+    assert endpoint.call(cfg.socket, "Stop", {}, timeout_s=10)["stopping"]
+    assert proc.popen.wait(timeout=60) == 0
+    assert not Path(cfg.socket).exists() and not Path(cfg.socket + ".ready").exists()
+    assert not left.exists()

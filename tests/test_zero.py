@@ -23,7 +23,8 @@ from site_trainer.config import SiteConfig, WorkloadConfig
 from site_trainer.launch import torchrun_argv
 from site_trainer.workloads import initial_weights
 
-SLM = WorkloadConfig(name="slm", n_layer=2, n_head=2, n_embd=16, block_size=16, corpus_bytes_per_site=20_000)
+SLM = WorkloadConfig(task="slm", options={"n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 16,
+                                          "corpus_bytes_per_site": 20_000})
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +58,7 @@ def _max_diff(a: dict, b: dict) -> float:
 def test_zero_matches_ddp_after_the_same_steps(results, workload, strategy):
     ddp = results(f"{workload}-ddp")
     assert _max_diff(ddp, results(f"{workload}-{strategy}")) <= 1e-5
-    init = initial_weights(SLM if workload == "slm" else WorkloadConfig(name="digits", hidden=16), 0)
+    init = initial_weights(SLM if workload == "slm" else WorkloadConfig(task="digits", options={"hidden": 16}), 0)
     assert _max_diff(ddp, init) > 1e-3  # the steps really trained
 
 
@@ -97,13 +98,21 @@ def test_resume_from_local_checkpoint_continues_bit_identically(results, strateg
         np.testing.assert_array_equal(ref[k], resumed[k])
 
 
-@pytest.fixture
-def single_rank_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3"])
+def test_lr_schedule_and_weight_decay_survive_a_local_checkpoint(results, strategy):
+    ref, resumed = results(f"sched-uninterrupted-{strategy}"), results(f"sched-resumed-{strategy}")
+    for k in ref:
+        np.testing.assert_array_equal(ref[k], resumed[k])
+    lrs = results.raw[f"sched-lr-{strategy}"]
+    # step 3 of 6: past the 2 warm-up steps, a quarter into the cosine, where the resumed trainer is too
+    assert lrs[0] == lrs[1] == strategies.lr_at(3, 1e-2, 2, "cosine", 6, 0.0) < 1e-2
+
+
+def test_lr_schedule_values():
+    lr = lambda step: strategies.lr_at(step, 1.0, 2, "cosine", 10, 0.1)  # noqa: E731
+    assert [lr(0), lr(1), lr(2)] == [0.5, 1.0, 1.0]  # linear warm-up, then the cosine starts at lr
+    assert lr(6) == pytest.approx(0.55) and lr(10) == pytest.approx(0.1) and lr(50) == pytest.approx(0.1)
+    assert strategies.lr_at(7, 1.0, 0, "constant", 10, 0.0) == 1.0
 
 
 def test_zero_on_a_backend_without_sharded_collectives_is_a_clear_error(single_rank_group, monkeypatch):
@@ -113,7 +122,8 @@ def test_zero_on_a_backend_without_sharded_collectives_is_a_clear_error(single_r
     monkeypatch.setattr(dist, "reduce_scatter_single", unsupported, raising=False)
     monkeypatch.setattr(dist, "reduce_scatter_tensor", unsupported)
     strategies.check_supported("ddp", "gloo", torch.device("cpu"))  # ddp needs none of it
-    with pytest.raises(strategies.StrategyUnavailable, match=r"strategy 'zero3' needs reduce-scatter.*use strategy 'ddp'"):
+    with pytest.raises(strategies.StrategyUnavailable,
+                       match=r"parallelism 'zero3' needs reduce-scatter.*use parallelism 'ddp'"):
         strategies.check_supported("zero3", "gloo", torch.device("cpu"))
 
 
@@ -136,13 +146,13 @@ def test_bf16_without_native_support_falls_back_with_a_warning(monkeypatch, capl
 
 def test_site_config_defaults_and_multi_node_fields():
     s = SiteConfig(id="a", partition=0)
-    assert (s.strategy, s.mixed_precision, s.activation_checkpointing, s.checkpoint_every, s.nnodes) == \
+    assert (s.parallelism, s.mixed_precision, s.activation_checkpointing, s.checkpoint_every, s.nnodes) == \
         ("ddp", "fp32", False, 0, 1)
     assert torchrun_argv(s, "t.json")[2:5] == ["torch.distributed.run", "--standalone", "--nproc-per-node=1"]
     with pytest.raises(ValidationError, match="rdzv_endpoint"):
         SiteConfig(id="a", partition=0, nnodes=2)
-    with pytest.raises(ValidationError, match="strategy"):
-        SiteConfig(id="a", partition=0, strategy="zero1")
+    with pytest.raises(ValidationError, match="parallelism"):
+        SiteConfig(id="a", partition=0, parallelism="zero1")
     m = SiteConfig(id="a", partition=0, ranks=4, nnodes=2, rdzv_endpoint="10.0.0.1:29400")
     argv = torchrun_argv(m, "t.json", node_rank=1)
     assert "--nnodes=2" in argv and "--rdzv-backend=c10d" in argv and "--rdzv-endpoint=10.0.0.1:29400" in argv

@@ -16,7 +16,8 @@ from site_trainer import endpoint, handoff, workloads
 from site_trainer.config import SiteConfig, TrainerConfig, WorkloadConfig
 from site_trainer.launch import torchrun_argv
 
-SLM = WorkloadConfig(name="slm", n_layer=2, n_head=2, n_embd=16, block_size=16, corpus_bytes_per_site=20_000)
+SLM = WorkloadConfig(task="slm", options={"n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 16,
+                                          "corpus_bytes_per_site": 20_000})
 ENV = {"OMP_NUM_THREADS": "1"}
 
 
@@ -70,7 +71,7 @@ def test_killed_site_resumes_bit_identically_from_local_checkpoint(tmp_path):
     """Round 1, checkpoint, SIGKILL of every rank, restart, round 2: the same weights, bit for bit,
     as a site that was never interrupted; optimizer (AdamW moments), sampling streams and the
     site-private state (codec residuals) all came back."""
-    site = {"strategy": "zero3", "optimizer": "adamw", "lr": 1e-2, "checkpoint_every": 1}
+    site = {"parallelism": "zero3", "optimizer": "adamw", "lr": 1e-2, "checkpoint_every": 1}
     cfg_a, path_a = _config(tmp_path, "steady", SLM, **site)
     cfg_b, path_b = _config(tmp_path, "crashy", SLM, **site)
     init = workloads.initial_weights(SLM, 0)
@@ -119,7 +120,7 @@ def test_two_node_site_over_c10d_rendezvous(tmp_path):
     the endpoint (whatever order the nodes joined in), both ranks train under ZeRO-2."""
     port = free_port()
     cfg, path = _config(tmp_path, "mn", SLM, ranks=1, nnodes=2,
-                        rdzv_endpoint=f"127.0.0.1:{port}", strategy="zero2")
+                        rdzv_endpoint=f"127.0.0.1:{port}", parallelism="zero2")
     sup = Supervisor(tmp_path)
     try:
         node1 = sup.start("node1", torchrun_argv(cfg.site, str(path), node_rank=1), ENV)  # joins first

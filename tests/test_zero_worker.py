@@ -1,4 +1,4 @@
-"""Worker for tests/test_zero.py, run under torchrun: trains `LocalTrainer` under each strategy.
+"""Worker for tests/test_zero.py, run under torchrun: trains `LocalTrainer` under each parallelism.
 
 Not a test module itself (no tests here): `python -m torch.distributed.run ... tests/test_zero_worker.py
 OUT.npz WORKDIR` runs every case once per launch, so the whole comparison costs one process-group start.
@@ -17,13 +17,16 @@ from site_trainer.config import SiteConfig, TrainerConfig, WorkloadConfig
 from site_trainer.local_trainer import LocalTrainer
 from site_trainer.workloads import initial_weights
 
-SLM = WorkloadConfig(name="slm", n_layer=2, n_head=2, n_embd=16, block_size=16, corpus_bytes_per_site=20_000)
-DIGITS = WorkloadConfig(name="digits", hidden=16)
+SLM = WorkloadConfig(task="slm", options={"n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 16,
+                                          "corpus_bytes_per_site": 20_000})
+DIGITS = WorkloadConfig(task="digits", options={"hidden": 16})
 
 
-def trainer(wl: WorkloadConfig, strategy: str, workdir: str = "/nonexistent", **site) -> LocalTrainer:
-    s = {"id": "t", "ranks": 2, "partition": 0, "batch_size": 4, "grad_accum": 2, "strategy": strategy, **site}
-    cfg = TrainerConfig(site=SiteConfig(**s), workload=wl, num_partitions=2, socket="/nonexistent", workdir=workdir)
+def trainer(wl: WorkloadConfig, strategy: str, workdir: str = "/nonexistent", rounds: int | None = None,
+            **site) -> LocalTrainer:
+    s = {"id": "t", "ranks": 2, "partition": 0, "batch_size": 4, "grad_accum": 2, "parallelism": strategy, **site}
+    cfg = TrainerConfig(site=SiteConfig(**s), workload=wl, num_partitions=2, socket="/nonexistent", workdir=workdir,
+                        rounds=rounds)
     t = LocalTrainer(cfg)
     t.load_global(initial_weights(wl, 0) if t.rank == 0 else None)
     return t
@@ -33,7 +36,7 @@ def fixed_batches(t: LocalTrainer, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """n samples of this rank's data, the same for every strategy (a fixed generator)."""
     g = torch.Generator().manual_seed(100 + t.rank)
     pick = t.train_idx[torch.randint(len(t.train_idx), (n,), generator=g)]
-    return t.data.train_x[pick], t.data.train_y[pick]
+    return t.data.train.take(pick)
 
 
 def main(out_path: str, workdir: str) -> None:
@@ -83,6 +86,20 @@ def main(out_path: str, workdir: str) -> None:
         assert (t.rank != 0 and site_state == {}) or list(site_state["residual"]) == [0, 1, 2]
         t.train(2)
         keep(f"resumed-{strategy}", t)
+        # the learning-rate schedule (warm-up, then cosine) and weight decay survive it as well
+        sched = {"optimizer": "adamw", "lr": 1e-2, "weight_decay": 0.1, "warmup_steps": 2, "lr_schedule": "cosine",
+                 "local_steps": 2}
+        t = trainer(DIGITS, strategy, f"{ckpt_dir}-sched", rounds=3, **sched)
+        t.train(2)
+        t.save_checkpoint(1, {})
+        t.train(2)
+        keep(f"sched-uninterrupted-{strategy}", t)
+        lrs = [t.optimizer.param_groups[0]["lr"]]
+        t = trainer(DIGITS, strategy, f"{ckpt_dir}-sched", rounds=3, **sched)
+        t.resume()
+        t.train(2)
+        keep(f"sched-resumed-{strategy}", t)
+        out[f"sched-lr-{strategy}"] = np.array(lrs + [t.optimizer.param_groups[0]["lr"]])
     if dist.get_rank() == 0:
         np.savez(out_path, **out)
     # tear the group down together: a rank that leaves while its peer is still writing has been

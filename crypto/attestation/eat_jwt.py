@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
-import hmac
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -25,7 +24,7 @@ from .errors import (
     KeyBindingMismatch, MalformedEvidence, NonceMismatch, TokenExpired, TokenNotYetValid, WrongAudience, WrongIssuer,
 )
 from .jws import Jwks, verify_jws
-from .models import AttestationResult, Evidence, b64url, key_hash, unb64url, utcnow
+from .models import AttestationResult, Evidence, b64url, key_hash, numeric_date, same_text, unb64url, utcnow
 from .verifier import Verifier
 
 DEBUG_OFF_DBGSTAT = ["disabled", "disabled-since-boot", "disabled-permanently", "disabled-fully-and-permanently",
@@ -71,11 +70,7 @@ class EatJwtConfig(BaseModel):
 
 def _ts(claims: dict[str, Any], name: str) -> dt.datetime | None:
     v = claims.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise MalformedEvidence(f"claim {name!r} is not a NumericDate")
-    return dt.datetime.fromtimestamp(v, dt.timezone.utc)
+    return None if v is None else numeric_date(v, name)
 
 
 def _is_off(value: Any, off_values: list[Any]) -> bool:
@@ -133,13 +128,13 @@ class EatJwtVerifier(Verifier):
         token_nonces = [v for t in token_nonces if t is not None for v in (t if isinstance(t, list) else [t])]
         if not token_nonces:
             raise NonceMismatch(f"token has none of the nonce claims {c.nonce_claims}")
-        if not any(isinstance(v, str) and hmac.compare_digest(v.lower() if c.nonce_encoding == "hex" else v, expected)
+        if not any(isinstance(v, str) and same_text(v.lower() if c.nonce_encoding == "hex" else v, expected)
                    for v in token_nonces):
             raise NonceMismatch("token nonce does not match the challenge" +
                                 (" and key" if c.key_binding == "nonce_hash" else ""))
         if c.key_binding == "claim":
             bound_key = claim_at(claims, c.key_binding_claim)
-            if not isinstance(bound_key, str) or not hmac.compare_digest(bound_key, b64url(khash)):
+            if not same_text(bound_key, b64url(khash)):
                 raise KeyBindingMismatch(f"claim {c.key_binding_claim!r} does not bind the presented public key")
 
         measurements = {}

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .attester import Attester
 from .errors import InsecureVerifierRefused, KeyBindingMismatch, MalformedEvidence, NonceMismatch, TokenExpired
-from .models import AttestationResult, Evidence, b64url, key_hash, unb64url, utcnow
+from .models import AttestationResult, Evidence, b64url, key_hash, load_json, numeric_date, unb64url, utcnow
 from .verifier import Verifier
 
 log = logging.getLogger(__name__)
@@ -62,13 +62,14 @@ class InsecureDevVerifier(Verifier):
         log.warning("%s (verifying %r)", _BANNER, evidence.attester)
         now = now or utcnow()
         try:
-            body = json.loads(unb64url(evidence.payload))
-            exp = dt.datetime.fromtimestamp(float(body["exp"]), dt.timezone.utc)
-            iat = dt.datetime.fromtimestamp(float(body["iat"]), dt.timezone.utc)
+            body = load_json(unb64url(evidence.payload), "insecure-dev evidence")
+            if not isinstance(body, dict):
+                raise TypeError("evidence is not a JSON object")
+            exp, iat = numeric_date(body["exp"], "exp"), numeric_date(body["iat"], "iat")
             measurements = {str(k): str(v).lower() for k, v in dict(body["measurements"]).items()}
             khash = key_hash(evidence.public_key_bytes())
         except (ValueError, KeyError, TypeError) as exc:
-            raise MalformedEvidence(f"bad insecure-dev evidence: {exc}") from exc
+            raise MalformedEvidence(f"bad insecure-dev evidence: {exc!r:.200}") from exc
         if body.get("nonce") != b64url(nonce) or evidence.nonce != b64url(nonce):
             raise NonceMismatch("insecure-dev evidence answers another challenge")
         if body.get("key_hash") != b64url(khash):

@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519, padding, rsa
 from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature, encode_dss_signature
 
 from .errors import BadSignature, MalformedEvidence, UnknownSigningKey, UnsupportedAlgorithm
-from .models import b64url, unb64url
+from .models import b64url, is_b64url, load_json, unb64url
 
 _EC = {"ES256": (ec.SECP256R1, hashes.SHA256, 32), "ES384": (ec.SECP384R1, hashes.SHA384, 48),
        "ES512": (ec.SECP521R1, hashes.SHA512, 66)}
@@ -42,6 +42,8 @@ class Jwk:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Jwk":
+        if not isinstance(d, Mapping):
+            raise MalformedEvidence(f"a JWK is a JSON object, not {type(d).__name__}")
         kty = d.get("kty")
         try:
             if kty == "EC":
@@ -80,13 +82,18 @@ class Jwks:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Jwks":
-        if not isinstance(d.get("keys"), list):
+        if not isinstance(d, Mapping) or not isinstance(d.get("keys"), list):
             raise MalformedEvidence("JWKS has no 'keys' list")
         return cls([Jwk.from_dict(k) for k in d["keys"]])
 
     @classmethod
+    def from_json(cls, data: bytes | str) -> "Jwks":
+        """A JWKS document (as an attestation service publishes it); MalformedEvidence if unusable."""
+        return cls.from_dict(load_json(data, "JWKS"))
+
+    @classmethod
     def from_file(cls, path: str | Path) -> "Jwks":
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        return cls.from_json(Path(path).read_bytes())
 
     def find(self, kid: str | None, alg: str) -> Jwk:
         if kid is None:
@@ -105,10 +112,7 @@ class Jwks:
 
 
 def _json_part(part: str, what: str) -> dict[str, Any]:
-    try:
-        obj = json.loads(unb64url(part))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise MalformedEvidence(f"JWS {what} is not base64url JSON") from exc
+    obj = load_json(unb64url(part), f"JWS {what}")
     if not isinstance(obj, dict):
         raise MalformedEvidence(f"JWS {what} is not a JSON object")
     return obj
@@ -119,6 +123,8 @@ def verify_jws(token: str, jwks: Jwks, algorithms: Sequence[str]) -> tuple[dict[
     if not isinstance(token, str) or token.count(".") != 2:
         raise MalformedEvidence("not a compact JWS (header.payload.signature)")
     h64, p64, s64 = token.split(".")
+    if not all(is_b64url(p) for p in (h64, p64, s64)):  # checked up front: the signed input is ASCII
+        raise MalformedEvidence("a JWS part is not unpadded base64url")
     header = _json_part(h64, "header")
     alg = header.get("alg")
     if alg not in SUPPORTED_ALGS or alg not in algorithms:
@@ -128,10 +134,7 @@ def verify_jws(token: str, jwks: Jwks, algorithms: Sequence[str]) -> tuple[dict[
     if header.get("b64") is False:
         raise UnsupportedAlgorithm("unencoded payloads are not supported")
     jwk = jwks.find(header.get("kid"), alg)
-    try:
-        sig = unb64url(s64)
-    except ValueError as exc:
-        raise MalformedEvidence("JWS signature is not base64url") from exc
+    sig = unb64url(s64)
     data = f"{h64}.{p64}".encode("ascii")
     try:
         if alg in _EC:

@@ -52,7 +52,7 @@ class NonceCache:
 
     def seen_evidence(self, payload: str) -> bool:
         """Record an evidence payload; True if it was seen before (token replay)."""
-        digest = hashlib.sha256(payload.encode()).digest()
+        digest = hashlib.sha256(payload.encode("utf-8", "surrogatepass")).digest()  # any str a party sent
         with self._lock:
             if digest in self._used:
                 return True

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime as dt
-import hmac
 import logging
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -12,7 +11,7 @@ from .errors import (
     DebugEnabled, InsecureVerifierRefused, KeyBindingMismatch, MeasurementNotAllowed, NonceMismatch, TokenExpired,
     TokenTooOld, VerifierNotAllowed,
 )
-from .models import AttestationResult, b64url, key_hash, utcnow
+from .models import AttestationResult, b64url, key_hash, same_text, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +49,10 @@ class Policy(BaseModel):
             if not self.allow_insecure_dev:
                 raise InsecureVerifierRefused("policy does not allow insecure-dev attestation")
             log.warning("INSECURE attestation accepted for %r (insecure-dev): no hardware root of trust", result.attester)
-        if self.require_nonce and (nonce is None or not hmac.compare_digest(result.nonce, b64url(nonce))):
+        if self.require_nonce and (nonce is None or not same_text(result.nonce, b64url(nonce))):
             raise NonceMismatch("result is not bound to the expected nonce")
         if self.require_key_binding and (
-            public_key is None or not hmac.compare_digest(result.key_hash, b64url(key_hash(public_key)))
+            public_key is None or not same_text(result.key_hash, b64url(key_hash(public_key)))
         ):
             raise KeyBindingMismatch("evidence is bound to a different public key than the party's")
         skew = dt.timedelta(seconds=self.clock_skew_s)

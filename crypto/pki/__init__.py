@@ -7,13 +7,14 @@
 """
 
 from .certs import party_uri, verify_client_cert, verify_server_cert
+from .errors import PkiMaterialError
 from .keys import KeyFileExists
 from .manifest import BundleManifest, CoordinatorRecord, SiteRecord
 from .provision import ProvisionReport, existing_sites, provision, revoke
 from .trust import CoordinatorBundle, PartyRecord, SiteBundle, TrustStore, verify_bundle_certificate
 
 __all__ = [
-    "BundleManifest", "CoordinatorBundle", "CoordinatorRecord", "KeyFileExists", "PartyRecord", "ProvisionReport",
-    "SiteBundle", "SiteRecord", "TrustStore", "existing_sites", "party_uri", "provision", "revoke",
+    "BundleManifest", "CoordinatorBundle", "CoordinatorRecord", "KeyFileExists", "PartyRecord", "PkiMaterialError",
+    "ProvisionReport", "SiteBundle", "SiteRecord", "TrustStore", "existing_sites", "party_uri", "provision", "revoke",
     "verify_bundle_certificate", "verify_client_cert", "verify_server_cert",
 ]

@@ -17,6 +17,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, x25519
 
+from .errors import PkiMaterialError
+
 PEM = serialization.Encoding.PEM
 RAW = serialization.Encoding.Raw
 PKCS8 = serialization.PrivateFormat.PKCS8
@@ -150,4 +152,12 @@ def load_public(path: Path | str) -> Any:
 
 
 def load_cert(path: Path | str) -> x509.Certificate:
-    return x509.load_pem_x509_certificate(Path(path).read_bytes())
+    return parse_cert(Path(path).read_bytes(), str(path))
+
+
+def parse_cert(data: bytes, what: str = "certificate") -> x509.Certificate:
+    """A PEM certificate, or PkiMaterialError("malformed_certificate") (a ValueError, as before)."""
+    try:
+        return x509.load_pem_x509_certificate(bytes(data))
+    except (ValueError, TypeError, x509.InvalidVersion) as exc:  # InvalidVersion is no ValueError
+        raise PkiMaterialError("malformed_certificate", f"{what} is not a PEM X.509 certificate ({exc})") from None

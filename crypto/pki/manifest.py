@@ -13,8 +13,9 @@ from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, x25519
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
+from .errors import PkiMaterialError
 from .keys import canonical_json
 
 MANIFEST = "manifest.json"
@@ -94,6 +95,16 @@ class RegistryBody(_Model):
     coordinator: CoordinatorRecord
     sites: dict[str, SiteRecord]
 
+    def signed_bytes(self) -> bytes:
+        """What the CA signs: the canonical JSON of the body, where a site without a channel key
+        has no `channel_x25519` member at all, so registries signed before that field existed
+        still verify (they are refreshed by re-running provisioning)."""
+        doc = self.model_dump(mode="json")
+        for rec in doc["sites"].values():
+            if rec.get("channel_x25519") is None:
+                rec.pop("channel_x25519", None)
+        return canonical_json(doc)
+
 
 class SignedRegistry(_Model):
     body: RegistryBody
@@ -101,14 +112,35 @@ class SignedRegistry(_Model):
 
     @classmethod
     def sign(cls, body: RegistryBody, ca_key: ec.EllipticCurvePrivateKey) -> "SignedRegistry":
-        sig = ca_key.sign(canonical_json(body.model_dump(mode="json")), ec.ECDSA(hashes.SHA256()))
+        sig = ca_key.sign(body.signed_bytes(), ec.ECDSA(hashes.SHA256()))
         return cls(body=body, signature=b64(sig))
 
     def verify(self, ca_cert: x509.Certificate) -> RegistryBody:
         key = ca_cert.public_key()
-        assert isinstance(key, ec.EllipticCurvePublicKey)
+        if not isinstance(key, ec.EllipticCurvePublicKey):
+            raise PkiMaterialError("bad_registry_signature", "the federation CA key is not an EC key")
         try:
-            key.verify(unb64(self.signature), canonical_json(self.body.model_dump(mode="json")), ec.ECDSA(hashes.SHA256()))
-        except InvalidSignature as exc:
-            raise ValueError("site registry signature does not verify against the federation CA") from exc
+            key.verify(unb64(self.signature), self.body.signed_bytes(), ec.ECDSA(hashes.SHA256()))
+        except (InvalidSignature, ValueError) as exc:  # ValueError: signature not base64
+            raise PkiMaterialError("bad_registry_signature",
+                                   "site registry signature does not verify against the federation CA") from exc
         return self.body
+
+
+def _parse(model: type[_Model], data: bytes | str, reason: str, what: str) -> _Model:
+    try:
+        return model.model_validate_json(data)
+    except ValidationError as err:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or '(top)'}: {e['msg']}" for e in err.errors()[:5])
+        raise PkiMaterialError(reason, f"{what} does not parse ({err.error_count()} problem(s)): {problems}") from None
+
+
+def parse_manifest(data: bytes | str, what: str = MANIFEST) -> BundleManifest:
+    """A bundle manifest from its JSON, or PkiMaterialError("malformed_manifest")."""
+    return _parse(BundleManifest, data, "malformed_manifest", what)  # type: ignore[return-value]
+
+
+def parse_signed_registry(data: bytes | str, ca_cert: x509.Certificate, what: str = REGISTRY) -> RegistryBody:
+    """The body of a CA-signed site registry, once its signature verified; else PkiMaterialError."""
+    signed = _parse(SignedRegistry, data, "malformed_registry", what)
+    return signed.verify(ca_cert)  # type: ignore[attr-defined]

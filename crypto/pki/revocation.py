@@ -11,6 +11,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import CRLEntryExtensionOID
 
+from .errors import PkiMaterialError
+
 CRL_FILE = "crl.pem"
 
 
@@ -69,7 +71,26 @@ def crl_pem(crl: x509.CertificateRevocationList) -> bytes:
 
 def load_verified_crl(path: Path, ca_cert: x509.Certificate) -> x509.CertificateRevocationList:
     """Load a CRL and check it is signed by the CA (a forged CRL could un-revoke a site)."""
-    crl = x509.load_pem_x509_crl(Path(path).read_bytes())
-    if crl.issuer != ca_cert.subject or not crl.is_signature_valid(ca_cert.public_key()):  # type: ignore[arg-type]
-        raise ValueError(f"CRL {path} is not signed by the federation CA")
+    return parse_verified_crl(Path(path).read_bytes(), ca_cert, what=f"CRL {path}")
+
+
+def parse_verified_crl(data: bytes, ca_cert: x509.Certificate, what: str = "CRL") -> x509.CertificateRevocationList:
+    """A PEM CRL signed by the CA, with every entry readable; else PkiMaterialError."""
+    try:
+        crl = x509.load_pem_x509_crl(bytes(data))
+    except (ValueError, TypeError, x509.InvalidVersion) as exc:  # InvalidVersion is no ValueError
+        raise PkiMaterialError("malformed_crl", f"{what} is not a PEM X.509 CRL ({exc})") from None
+    try:
+        key = ca_cert.public_key()
+        signed = crl.issuer == ca_cert.subject and crl.is_signature_valid(key)  # type: ignore[arg-type]
+    except (ValueError, TypeError) as exc:  # an unsupported signature algorithm or key type
+        raise PkiMaterialError("bad_crl_signature", f"{what} cannot be checked against the CA ({exc})") from None
+    if not signed:
+        raise PkiMaterialError("bad_crl_signature", f"{what} is not signed by the federation CA")
+    try:
+        for rc in crl:  # entries are parsed lazily: read them all now, inside this check
+            rc.serial_number, rc.revocation_date_utc  # noqa: B018
+        crl.next_update_utc  # noqa: B018
+    except ValueError as exc:
+        raise PkiMaterialError("malformed_crl", f"{what} has an unreadable entry ({exc})") from None
     return crl

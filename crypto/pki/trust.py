@@ -10,18 +10,21 @@ from __future__ import annotations
 
 import logging
 import datetime as dt
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ed25519, x25519
 
-from .keys import cert_fingerprint, load_cert, load_private
-from .manifest import MANIFEST, REGISTRY, BundleManifest, SignedRegistry
-from .revocation import CRL_FILE, load_verified_crl
+from .errors import PkiMaterialError
+from .keys import cert_fingerprint, load_cert, load_private, parse_cert
+from .manifest import MANIFEST, REGISTRY, BundleManifest, parse_manifest, parse_signed_registry
+from .revocation import CRL_FILE, parse_verified_crl
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -84,31 +87,76 @@ class TrustStore:
         ``ca_fingerprint`` pins the CA ("sha256:<hex>"), distributed out of band.
         """
         d = Path(bundle_dir)
-        manifest = BundleManifest.model_validate_json((d / MANIFEST).read_text())
-        ca_cert = load_cert(d / "ca.crt")
+
+        def read(name: str) -> bytes | None:
+            try:
+                return (d / name).read_bytes()
+            except FileNotFoundError:
+                return None
+
+        return cls.from_files(read, ca_fingerprint=ca_fingerprint, source=str(d))
+
+    @classmethod
+    def from_files(cls, read: Callable[[str], bytes | None], *, ca_fingerprint: str | None = None,
+                   source: str = "bundle") -> "TrustStore":
+        """The trust store of a bundle whose files ``read(name)`` returns (None: absent).
+
+        Everything in a bundle is checked before it is believed: the CA against the manifest's (and
+        the pinned) fingerprint, the CRL and the site registry against the CA's signature. Damaged
+        or forged material raises :class:`PkiMaterialError` with a reason.
+        """
+
+        def need(name: str) -> bytes:
+            data = read(name)
+            if data is None:
+                raise PkiMaterialError("missing_file", f"{source} has no {name}")
+            return data
+
+        manifest = parse_manifest(need(MANIFEST), f"{source}/{MANIFEST}")
+        ca_cert = parse_cert(need("ca.crt"), f"{source}/ca.crt")
         fp = cert_fingerprint(ca_cert)
         if fp != manifest.ca_fingerprint or (ca_fingerprint is not None and fp != ca_fingerprint):
-            raise ValueError(f"CA certificate in {d} does not match the pinned fingerprint")
-        crl = load_verified_crl(d / CRL_FILE, ca_cert)
+            raise PkiMaterialError("ca_mismatch", f"CA certificate in {source} does not match the pinned fingerprint")
+        crl = parse_verified_crl(need(CRL_FILE), ca_cert, f"CRL {source}/{CRL_FILE}")
         if crl.next_update_utc is not None and crl.next_update_utc < dt.datetime.now(dt.timezone.utc):
-            log.warning("CRL in %s is past its next_update (%s): re-run revoke/provision to refresh", d, crl.next_update_utc)
+            log.warning("CRL in %s is past its next_update (%s): re-run revoke/provision to refresh", source,
+                        crl.next_update_utc)
         revoked = frozenset(rc.serial_number for rc in crl)
         parties: dict[str, PartyRecord] = {}
         if manifest.role not in ("coordinator", "site"):
-            raise ValueError(f"{d} is a {manifest.role} bundle; load a coordinator or site bundle")
-        if manifest.role == "coordinator" or (d / REGISTRY).exists():  # site bundles: peers' keys (SecAgg)
-            body = SignedRegistry.model_validate_json((d / REGISTRY).read_text()).verify(ca_cert)
+            raise PkiMaterialError("malformed_manifest",
+                                   f"{source} is a {manifest.role} bundle; load a coordinator or site bundle")
+        registry = read(REGISTRY)
+        if manifest.role == "coordinator" or registry is not None:  # site bundles: peers' keys (SecAgg)
+            body = parse_signed_registry(need(REGISTRY), ca_cert, f"{source}/{REGISTRY}")
             if body.federation_id != manifest.federation_id:
-                raise ValueError("registry belongs to another federation")
+                raise PkiMaterialError("wrong_federation", "registry belongs to another federation")
             for name, s in body.sites.items():
-                parties[name] = PartyRecord(name, "site", s.signing_public_key(), int(s.client_cert_serial, 16),
-                                            channel_public=s.channel_public_key())
+                parties[name] = PartyRecord(name, "site", _key(s.signing_public_key, source, name),
+                                            _serial(s.client_cert_serial, source, name),
+                                            channel_public=_key(s.channel_public_key, source, name))
         if manifest.role == "site":
             c = manifest.coordinator
-            assert c is not None and manifest.site is not None
-            parties[c.name] = PartyRecord(c.name, "coordinator", c.signing_public_key(), int(c.server_cert_serial, 16),
-                                          c.sealing_public_key())
+            if c is None or manifest.site is None:
+                raise PkiMaterialError("malformed_manifest", f"site bundle {source} names no coordinator or site")
+            parties[c.name] = PartyRecord(c.name, "coordinator", _key(c.signing_public_key, source, c.name),
+                                          _serial(c.server_cert_serial, source, c.name),
+                                          _key(c.sealing_public_key, source, c.name))
         return cls(manifest.federation_id, parties, revoked)
+
+
+def _key(load: Callable[[], T], source: str, party: str) -> T:
+    try:
+        return load()
+    except ValueError as exc:  # not base64, or not a 32-byte key
+        raise PkiMaterialError("malformed_key", f"{source}: public key of {party!r} is unusable ({exc})") from None
+
+
+def _serial(text: str, source: str, party: str) -> int:
+    try:
+        return int(text, 16)
+    except ValueError:
+        raise PkiMaterialError("malformed_registry", f"{source}: certificate serial of {party!r} is not hex") from None
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from .config import RoundParams, SecAggConfig
 from .context import RoundContext
 from .encoding import FixedPointCodec, noise_key
 from .errors import MalformedMessageError, ProtocolViolationError, SecAggAbort, SecAggConfigError
+from .graph import neighbours_of
 from .keys import KeyPair
 from .plan import RoundPlan
 from .prg import PIECE_WORDS, MaskExpander
@@ -83,7 +84,7 @@ class SecAggClient:
         self = cls.__new__(cls)
         self.config, self.ctx, self.id = config, plan.ctx, client_id
         self.n_clients, self.threshold = len(plan.members), plan.threshold
-        self.neighbours = plan.graph[client_id]
+        self.neighbours = neighbours_of(plan.ids, plan.degree, plan.ctx.graph_seed, client_id)  # O(n), not the graph
         self._s = KeyPair.generate()  # mask keys of this round only; the private half is secret-shared
         self._seed = os.urandom(32)  # self-mask seed b_u, secret-shared
         holders = sorted(self.neighbours | {client_id})

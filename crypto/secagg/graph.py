@@ -79,14 +79,7 @@ def choose_degree(
     if n < 2:
         raise SecAggConfigError(f"secure aggregation needs at least 2 clients, got {n}")
     if neighbours == "auto":
-        k = next(
-            (
-                k
-                for k in range(2, n - 1, 2)
-                if sparse_degree_ok(n, k, resolve_threshold(threshold, k + 1), sigma, eta, gamma, delta)
-            ),
-            n - 1,
-        )
+        k = _smallest_sparse_degree(n, threshold, sigma, eta, gamma, delta)
     else:
         k = int(neighbours)
         k = k + (k % 2)
@@ -100,6 +93,32 @@ def choose_degree(
     if t < 2:
         raise SecAggConfigError("threshold must be at least 2 (one share would reveal a secret)")
     return k, t
+
+
+def _smallest_sparse_degree(
+    n: int, threshold: int | float, sigma: int, eta: int, gamma: float, delta: float
+) -> int:
+    """The smallest even k < n - 1 that `sparse_degree_ok` accepts, else n - 1 (complete).
+
+    Bounded work for any n, since n can come from another party (the roster a server sends):
+    - an integer threshold t keeps t fixed while k grows, so P[Bin(k, gamma) >= t] only grows:
+      once the first condition fails at a k with t <= k + 1, it fails for every larger k;
+    - the exact binomial tail overflows a float past k ~ 1000 (math.comb grows beyond 1e308):
+      a k that large is never needed by a sane security target, so the search stops there with
+      the complete graph (a SecAgg+ graph that dense is plain SecAgg anyway).
+    Both exits return what the full scan would have returned wherever that scan did not crash.
+    """
+    eps_sec = 2.0**-sigma
+    for k in range(2, n - 1, 2):
+        t = resolve_threshold(threshold, k + 1)
+        try:
+            if sparse_degree_ok(n, k, t, sigma, eta, gamma, delta):
+                return k
+            if isinstance(threshold, int) and 2 <= t <= k + 1 and n * binomial_tail(k, gamma, t) > eps_sec:
+                break
+        except OverflowError:
+            break
+    return n - 1
 
 
 def _permutation(roster: Sequence[int], seed: bytes) -> list[int]:
@@ -125,17 +144,36 @@ def _permutation(roster: Sequence[int], seed: bytes) -> list[int]:
 
 def neighbour_graph(roster: Sequence[int], degree: int, seed: bytes) -> dict[int, frozenset[int]]:
     """client id -> its neighbours (itself excluded); symmetric; complete when degree >= n - 1."""
-    ids = sorted(set(roster))
-    if len(ids) != len(roster):
-        raise ValueError("roster has duplicate ids")
+    ids = _checked_ids(roster, degree)
     n = len(ids)
     if degree >= n - 1:
         return {u: frozenset(v for v in ids if v != u) for u in ids}
-    if degree % 2:
-        raise ValueError("a sparse Harary graph needs an even degree")
     ring = _permutation(ids, seed)
     half = degree // 2
     return {
         u: frozenset(ring[(pos + d) % n] for d in range(-half, half + 1) if d != 0)
         for pos, u in enumerate(ring)
     }
+
+
+def neighbours_of(roster: Sequence[int], degree: int, seed: bytes, client: int) -> frozenset[int]:
+    """`neighbour_graph(roster, degree, seed)[client]` in O(n) memory: what a client needs (the
+    roster comes from the server, so the whole graph of a huge claimed roster must not be built)."""
+    ids = _checked_ids(roster, degree)
+    if client not in ids:
+        raise ValueError(f"client {client} is not in the roster")
+    n = len(ids)
+    if degree >= n - 1:
+        return frozenset(v for v in ids if v != client)
+    ring = _permutation(ids, seed)
+    pos, half = ring.index(client), degree // 2
+    return frozenset(ring[(pos + d) % n] for d in range(-half, half + 1) if d != 0)
+
+
+def _checked_ids(roster: Sequence[int], degree: int) -> list[int]:
+    ids = sorted(set(roster))
+    if len(ids) != len(roster):
+        raise ValueError("roster has duplicate ids")
+    if degree < len(ids) - 1 and degree % 2:
+        raise ValueError("a sparse Harary graph needs an even degree")
+    return ids

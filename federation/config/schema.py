@@ -6,8 +6,9 @@ that names the file, the field and what to do about it. configs/README.md descri
 
 from __future__ import annotations
 
+import reprlib
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
@@ -130,6 +131,10 @@ class ExperimentConfig(StrictModel):
             raise ValueError(
                 f"site partitions must be 0..{n - 1}, each used once; got {parts}"
             )
+        if self.workload.task is not None and any(s.workload_options for s in self.sites):
+            from site_trainer.workload_loader import check_sites  # imports the task: only when needed
+
+            check_sites(self.workload, self.sites)  # a script is checked on its site, when it starts
         return self
 
 
@@ -148,9 +153,44 @@ def _format_errors(path: Path, err: ValidationError) -> str:
         elif e["type"] == "missing":
             hint = " — required; add it"
         elif e.get("input") is not None and e["type"] not in ("value_error",):
-            hint = f" (got {e['input']!r})"
+            hint = f" (got {_short_repr(e['input'])})"
         lines.append(f"  - {loc}: {msg}{hint}")
     return "\n".join(lines)
+
+
+MAX_CONFIG_BYTES = 1 << 20  # a config is a few KB
+MAX_FLOW_BRACKETS = 10_000  # PyYAML's scanner is quadratic in flow nesting: 5000 deep already takes ~2 s
+MAX_NODES = 100_000  # YAML nodes once aliases are expanded: refuses "billion laughs" documents
+
+
+def _short_repr(value: Any) -> str:
+    """repr of a config value for a message: bounded in size, depth and digits (never raises)."""
+    r = reprlib.Repr()
+    r.maxstring = r.maxother = 80
+    try:
+        return r.repr(value)
+    except (ValueError, RecursionError):  # e.g. an int beyond sys.get_int_max_str_digits()
+        return f"<{type(value).__name__}>"
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """SafeLoader that refuses documents whose aliases expand beyond MAX_NODES nodes."""
+
+    def construct_document(self, node: yaml.Node) -> Any:
+        sizes: dict[int, int] = {}
+
+        def expanded(n: yaml.Node) -> int:
+            if id(n) not in sizes:
+                sizes[id(n)] = 0  # a cycle (&a [*a]) counts once: it adds no expansion
+                children = n.value if isinstance(n, yaml.SequenceNode) else (
+                    [v for kv in n.value for v in kv] if isinstance(n, yaml.MappingNode) else [])
+                sizes[id(n)] = min(MAX_NODES + 1, 1 + sum(expanded(c) for c in children))
+            return sizes[id(n)]
+
+        if expanded(node) > MAX_NODES:
+            raise yaml.YAMLError(f"the document expands to more than {MAX_NODES} nodes through aliases "
+                                 "(a YAML alias bomb?)")
+        return super().construct_document(node)
 
 
 def parse_config(data: object, source: str | Path = "<config>") -> ExperimentConfig:
@@ -158,20 +198,38 @@ def parse_config(data: object, source: str | Path = "<config>") -> ExperimentCon
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a YAML mapping at the top level, got {type(data).__name__}")
     try:
-        return ExperimentConfig.model_validate(data)
+        # relative paths in the file (a workload script) are the file's, not the working directory's
+        context = {"config_dir": str(Path(source).parent)} if str(source) != "<config>" else None
+        return ExperimentConfig.model_validate(data, context=context)
     except ValidationError as err:
         raise ConfigError(_format_errors(Path(source), err)) from None
+    except RecursionError:  # a Python document nested (or self-referencing) past the validator's stack
+        raise ConfigError(f"{source}: nested too deeply to be a configuration") from None
 
 
 def load_config(path: str | Path) -> ExperimentConfig:
     """Read and validate a YAML experiment file."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        raw = path.read_bytes()
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file; pass a path like configs/demo.yaml") from None
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot be read ({err.strerror})") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: {len(raw)} bytes; a configuration file is at most {MAX_CONFIG_BYTES}")
     try:
-        data = yaml.safe_load(text)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}: {err.reason}); save it as UTF-8") from None
+    if text.count("[") + text.count("{") > MAX_FLOW_BRACKETS:
+        raise ConfigError(f"{path}: more than {MAX_FLOW_BRACKETS} '[' or '{{': not a configuration")
+    try:  # the pure-Python loader: libyaml's CSafeLoader segfaults on deep nesting (50,000 levels)
+        data = yaml.load(text, Loader=_BoundedLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply to be a configuration") from None
+    except ValueError as err:  # e.g. an integer literal beyond Python's int/str conversion limit
+        raise ConfigError(f"{path}: unusable value: {err}") from None
     return parse_config(data, path)

@@ -38,7 +38,7 @@ from flwr.serverapp import Grid
 
 from crypto.envelope import ReplayGuard
 from crypto.pki import CoordinatorBundle
-from federation.config import ExperimentConfig
+from federation.config.schema import ExperimentConfig
 from federation.coordinator.admission import Admission, AdmissionOutcome
 from federation.coordinator.aggregate import ServerOptimizer
 from federation.coordinator.checkpoint import save_checkpoint

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from crypto.envelope import ReplayGuard
 from crypto.pki import CoordinatorBundle
-from federation.config import FederationConfig
+from federation.config.schema import FederationConfig
 from federation.coordinator.aggregate import WeightedMean
 from federation.coordinator.envelope_opener import CoordinatorProtection
 from federation.coordinator.strategy import Exchange, ExchangeResult, Reply, RoundInput, RoundOutcome, Step, site_metrics

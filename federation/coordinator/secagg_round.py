@@ -95,7 +95,7 @@ from crypto.secagg import (
 )
 from crypto.secagg import wire as secagg_wire
 from crypto.secagg.signing import verify
-from federation.config import FederationConfig
+from federation.config.schema import FederationConfig
 from federation.coordinator.strategy import Exchange, ExchangeResult, Reply, RoundInput, RoundOutcome, Step, site_metrics
 from federation.protocol.codecs import Arrays, UpdateSpec, parse_codec
 from federation.protocol.message_keys import MASKED_INPUT, SECAGG, SECAGG_SETUP, SETUP, STAGE_NAMES, STATUS, UNMASK

@@ -11,7 +11,8 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from crypto.pki import CoordinatorBundle
-from federation.config import AttestationConfig, ConfigError, load_config, resolve
+from federation.config import AttestationConfig, resolve
+from federation.config.schema import ConfigError, load_config
 from federation.coordinator.driver import Coordinator, FederationFailed
 
 app = ServerApp()

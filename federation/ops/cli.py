@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from crypto.pki import CoordinatorBundle, provision
-from federation.config import ConfigError, load_config
+from federation.config.schema import ConfigError, load_config
 from federation.ops import launcher
 from site_trainer.launch import RendezvousUnreachable, check_node_rank, wait_for_rendezvous
 

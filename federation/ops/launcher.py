@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Callable
 
 from crypto.pki import provision
-from federation.config import ExperimentConfig, load_config, resolve
+from federation.config import resolve
+from federation.config.schema import ExperimentConfig, load_config
 from site_trainer import endpoint
 from site_trainer.config import SiteConfig, TrainerConfig
 from site_trainer.launch import torchrun_argv
@@ -190,7 +191,7 @@ def start_trainer(sup: Supervisor, site: SiteConfig, cfg: ExperimentConfig, sock
                   join_timeout_s: float | None = None) -> Proc:
     """This node's torchrun of the site's trainer pool (node 0 serves `socket_path`)."""
     tcfg = TrainerConfig(site=site, workload=cfg.workload, num_partitions=len(cfg.sites),
-                         seed=cfg.federation.seed, socket=socket_path,
+                         seed=cfg.federation.seed, rounds=cfg.federation.rounds, socket=socket_path,
                          workdir=str(sup.workdir / "sites" / site.id))
     Path(tcfg.workdir).mkdir(parents=True, exist_ok=True)
     node = f"-node{node_rank}" if node_rank else ""  # nodes may share the workdir: one file each

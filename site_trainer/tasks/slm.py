@@ -1,4 +1,4 @@
-"""A small byte-level GPT trained on the Python standard library's own sources.
+"""The `slm` workload: a small byte-level GPT trained on the Python standard library's own sources.
 
 The corpus ships with Python, so nothing is downloaded; modules are dealt to sites by name,
 which makes the split naturally non-IID (each site reads different code).
@@ -17,8 +17,9 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from site_trainer.config import WorkloadConfig
+from site_trainer.workload import Task, TaskData, TensorRows
 
 VOCAB = 256
 
@@ -72,10 +73,6 @@ class GPT(nn.Module):
         return self.head(self.ln(x))
 
 
-def make_model(cfg: WorkloadConfig) -> nn.Module:
-    return GPT(cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size)
-
-
 @functools.lru_cache(maxsize=1)
 def stdlib_modules() -> tuple[Path, ...]:
     """The standard library's .py files, sorted, tests and site-packages left out.
@@ -110,26 +107,50 @@ def site_corpus(partition: int, num_partitions: int, max_bytes: int) -> bytes:
         raise RuntimeError(f"partition {partition}/{num_partitions} has only {len(corpus)} bytes of stdlib source")
     return corpus
 
+class SLMOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
-def make_data(cfg: WorkloadConfig, partition: int, num_partitions: int, seed: int):
-    """Windows of `block_size + 1` bytes; the tail of the site's corpus is held out for evaluation."""
-    from site_trainer.workloads import SiteData
+    n_layer: int = Field(2, ge=1, description="transformer blocks")
+    n_head: int = Field(2, ge=1, description="attention heads per block")
+    n_embd: int = Field(64, ge=8, description="width (divisible by n_head)")
+    block_size: int = Field(64, ge=8, description="context length in bytes")
+    corpus_bytes_per_site: int = Field(400_000, ge=10_000, description="stdlib source bytes each site trains on")
+    val_fraction: float = Field(0.2, gt=0, lt=1, description="tail of a site's corpus held out for evaluation")
 
-    data = np.frombuffer(site_corpus(partition, num_partitions, cfg.corpus_bytes_per_site), dtype=np.uint8)
-    split = int(len(data) * (1 - cfg.val_fraction))
-    t = cfg.block_size
-
-    def windows(arr: np.ndarray, stride: int) -> tuple[torch.Tensor, torch.Tensor]:
-        starts = np.arange(0, len(arr) - t - 1, stride)
-        idx = starts[:, None] + np.arange(t + 1)[None, :]
-        w = torch.from_numpy(arr[idx].astype(np.int64))
-        return w[:, :-1].contiguous(), w[:, 1:].contiguous()
-
-    tx, ty = windows(data[:split], max(1, t // 2))
-    vx, vy = windows(data[split:], t)
-    return SiteData(tx, ty, vx, vy)
+    @model_validator(mode="after")
+    def _heads_divide(self) -> "SLMOptions":
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        return self
 
 
-def batch_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, int]:
-    logits = model(x)
-    return F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1)), -1
+class ByteGPT(Task):
+    """A byte-level GPT on the Python standard library's sources, modules dealt to sites by name."""
+
+    Options = SLMOptions
+
+    def build_model(self) -> nn.Module:
+        o = self.options
+        return GPT(o.n_layer, o.n_head, o.n_embd, o.block_size)
+
+    def build_data(self) -> TaskData:
+        """Windows of `block_size + 1` bytes; the tail of the site's corpus is held out for evaluation."""
+        o, ctx = self.options, self.ctx
+        data = np.frombuffer(site_corpus(ctx.partition, ctx.num_partitions, o.corpus_bytes_per_site), dtype=np.uint8)
+        split = int(len(data) * (1 - o.val_fraction))
+        t = o.block_size
+
+        def windows(arr: np.ndarray, stride: int) -> TensorRows:
+            starts = np.arange(0, len(arr) - t - 1, stride)
+            idx = starts[:, None] + np.arange(t + 1)[None, :]
+            w = torch.from_numpy(arr[idx].astype(np.int64))
+            return TensorRows(w[:, :-1].contiguous(), w[:, 1:].contiguous())
+
+        return TaskData(windows(data[:split], max(1, t // 2)), windows(data[split:], t))
+
+    def loss(self, model: nn.Module, batch) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
+
+    def evaluate(self, model: nn.Module, batch) -> dict[str, torch.Tensor | float]:
+        return {"loss": self.loss(model, batch).double() * len(batch[0]), "examples": len(batch[0])}

@@ -1,0 +1,1 @@
+"""Example sovereign-fl workload: credit-default risk from each bank's own loan records."""

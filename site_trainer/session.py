@@ -1,0 +1,716 @@
+"""The session: one collective API that every rank of a site calls, for any training loop.
+
+    from site_trainer import session
+
+    sess = session.connect(model, optimizer=opt)         # every rank, after building its model
+    for rnd in sess.rounds():                            # every rank: the same rounds, in lock-step
+        if rnd.evaluating:
+            loss, n = my_eval(model)
+            rnd.report(num_examples=n, loss=loss)        # this rank's figures
+            continue
+        for _ in range(rnd.local_steps):
+            ...                                          # the script's own steps (DDP, FSDP2, ...)
+        rnd.report(num_examples=n_seen, loss=mean_loss)  # every rank; the update is gathered here
+
+The framework does the rank-divergent parts, so no rank ever waits on a call another rank did not
+make (the hangs of rank-0-only client APIs, NVFlare issues 3360 and 5040): global rank 0 serves
+the site's local endpoint (gRPC over a Unix socket, `endpoint.py`), takes each request, checks
+it and broadcasts a small command; every rank then loads the global model into its own copy
+(the whole tensor under DDP, its shard of FSDP2 DTensors), one tensor at a time
+(`transfer.stream_in`), and `report` gathers the full tensors into rank 0's hand-off file
+(`transfer.stream_out`). Only the exchanged tensors move (`layout.Layout`). While idle, rank 0
+broadcasts heartbeats so that no collective reaches its timeout; `rounds()` ends on every rank
+when the trainer is told to stop (SIGTERM, or the endpoint's Stop).
+
+The built-in loop (`local_trainer.LocalTrainer`, which runs declarative tasks) is a user of this
+same session. A script started by `sovfl` finds its configuration in $SOVFL_TRAINER_CONFIG.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from site_trainer import endpoint, handoff, layout, local_checkpoint, strategies, transfer
+from site_trainer.config import SiteConfig, TrainerConfig
+from site_trainer.launch import check_node_rank
+
+log = logging.getLogger("sovfl.trainer")
+
+ENV_CONFIG = "SOVFL_TRAINER_CONFIG"  # path of the TrainerConfig JSON the launcher wrote
+ENV_NODE_RANK = "SOVFL_NODE_RANK"  # multi-node sites: this node's index (0 serves the endpoint)
+HEARTBEAT_S = 5.0
+POLL_S = 0.2  # how often rank 0 looks at the stop flag while idle
+STATE_WAIT_S = 30.0  # how long a due checkpoint waits for the round's PutState (codec residuals)
+PG_TIMEOUT = timedelta(minutes=10)
+
+
+class SessionError(RuntimeError):
+    """The training loop used the session wrongly (the message says how to fix it)."""
+
+
+class RequestRejected(ValueError):
+    """A round request is unusable (wrong model layout, non-finite values): answered, not trained."""
+
+
+class StateHook(Protocol):
+    """Per-rank state a local checkpoint keeps besides model and optimizer (sampling streams, ...)."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+# ---- process group ----------------------------------------------------------------------------
+
+def site_config() -> TrainerConfig:
+    """This site's trainer configuration (options, partition, ...), from $SOVFL_TRAINER_CONFIG: what a
+    script reads before it builds its model and data."""
+    path = os.environ.get(ENV_CONFIG)
+    if not path:
+        raise SessionError(f"no trainer configuration: ${ENV_CONFIG} is not set. Start the script through sovfl "
+                           f"(workload.script), or set {ENV_CONFIG} to a trainer JSON and run it under torchrun")
+    try:
+        return TrainerConfig.model_validate_json(Path(path).read_text())
+    except OSError as err:
+        raise SessionError(f"${ENV_CONFIG}={path}: cannot read the trainer configuration ({err})") from None
+
+
+def init_process_group(cfg: TrainerConfig, node_rank: int = 0) -> None:
+    """Join the site's process group from torchrun's environment, ranks numbered by node.
+
+    c10d's rendezvous orders nodes by host name and process id and ignores torchrun's --node-rank,
+    so global ranks are numbered here (node_rank x ranks + local rank): global rank 0, the one
+    serving the endpoint, is on node 0 whatever order the nodes joined in.
+    """
+    site = cfg.site
+    gpu = {"device_id": _bind_gpu(site)} if site.backend == "nccl" else {}
+    if site.nnodes == 1:
+        dist.init_process_group(site.backend, timeout=PG_TIMEOUT, **gpu)
+        return
+    rank = node_ordered_rank(site, node_rank)
+    dist.init_process_group(site.backend, rank=rank, world_size=site.world_size, timeout=PG_TIMEOUT, **gpu)
+
+
+def node_ordered_rank(site: SiteConfig, node_rank: int) -> int:
+    """This process's global rank on a multi-node site, after checking torchrun formed the site."""
+    try:
+        check_node_rank(site, node_rank)
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
+    world = int(os.environ["WORLD_SIZE"])
+    if world != site.world_size or int(os.environ["LOCAL_WORLD_SIZE"]) != site.ranks:
+        raise SystemExit(f"site {site.id}: torchrun formed {world} rank(s) with {os.environ['LOCAL_WORLD_SIZE']} "
+                         f"per node, the config says {site.nnodes} node(s) x {site.ranks}")
+    return node_rank * site.ranks + int(os.environ["LOCAL_RANK"])
+
+
+def _bind_gpu(site: SiteConfig) -> torch.device:
+    """One GPU per rank on its node (cuda:LOCAL_RANK), made current before NCCL starts, so that
+    every collective, object broadcast and barrier of this rank runs on it."""
+    if not torch.cuda.is_available():
+        raise SystemExit(f"site {site.id}: backend 'nccl' needs CUDA GPUs; use backend 'gloo' on CPU")
+    if not dist.is_nccl_available():
+        raise SystemExit(f"site {site.id}: backend 'nccl' is not built into this torch ({torch.__version__}); "
+                         "install a CUDA build of torch or use backend 'gloo'")
+    local_rank, gpus = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+    if local_rank >= gpus:
+        raise SystemExit(f"site {site.id}: {site.ranks} rank(s) per node need one GPU each, this node has {gpus}; "
+                         f"set ranks to at most {gpus}")
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    return device
+
+
+# ---- rounds -----------------------------------------------------------------------------------
+
+class Round:
+    """One request from the coordinator, the same object on every rank.
+
+    The global weights are already in the model when the loop body starts. Call `report` exactly
+    once, on every rank, when the round's work is done.
+    """
+
+    def __init__(self, session: "Session", kind: str, request: dict, load_s: float):
+        self._session = session
+        self.kind = kind  # "train" or "evaluate"
+        self.number = int(request.get("round", 0))
+        self.config: dict = dict(request.get("config") or {})
+        self.local_steps = int(self.config.get("local_steps", session.config.site.local_steps))
+        self.load_s = load_s
+        self.reported = False
+        self._started = time.perf_counter()
+
+    @property
+    def evaluating(self) -> bool:
+        """An evaluation request: measure the global model, do not train (nothing is sent back)."""
+        return self.kind == "evaluate"
+
+    def report(self, num_examples: int, loss: float | torch.Tensor | None = None,
+               **metrics: float | torch.Tensor) -> None:
+        """Collective: this rank's figures for the round; after training, the update leaves here.
+
+        `num_examples` is this rank's count (summed over ranks: the site's weight in the average);
+        `loss` and every other metric are this rank's means, averaged over ranks weighted by
+        `num_examples`. Values may be Python numbers or 0-dim tensors (on the GPU: no sync until
+        here). An evaluation must report `loss`; it is sent as `eval_loss`, `accuracy` as
+        `eval_accuracy`, any other key K as `eval_K`.
+        """
+        if self.reported:
+            raise SessionError(f"round {self.number} was reported twice; call report() once per round")
+        self.reported = True
+        self._session._finish(self, num_examples, loss, metrics)
+
+
+class _Request:
+    """Rank 0's side of one command: the caller's future and the open global model."""
+
+    def __init__(self, method: str, request: dict, fut: Future | None, reader: handoff.Reader | None):
+        self.method, self.request, self.fut, self.reader = method, request, fut, reader
+
+    def answer(self, reply: dict) -> None:
+        fut, self.fut = self.fut, None
+        if fut is None:
+            return
+        if fut.set_running_or_notify_cancel():
+            fut.set_result(reply)
+        else:  # nobody waits any more
+            handoff.release((reply.get("update") or {}).get("path"))
+            handoff.release((reply.get("state") or {}).get("path"))
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
+            self.reader = None
+
+
+def _wire_read(source: Mapping[str, np.ndarray]):
+    """A `transfer.ReadInto` over named arrays: a hand-off Reader (pread straight into the
+    destination when the dtypes agree) or any mapping of arrays; a float32 global of a bf16
+    tensor is converted on the way."""
+    def read(name: str, out: np.ndarray) -> None:
+        if isinstance(source, handoff.Reader) and source.handle_entry(name).dtype == out.dtype.str:
+            source.read_into(name, out)
+            return
+        arr = np.asarray(source[name])
+        if arr.dtype == out.dtype:
+            out[...] = arr
+        else:
+            dst = torch.from_numpy(out)
+            raw = {np.dtype("<u2"): torch.bfloat16}.get(out.dtype)
+            (dst.view(raw) if raw is not None else dst).copy_(torch.as_tensor(arr))
+    return read
+
+
+class Session:
+    """A site's connection to the federation, shared by every rank (see the module docstring).
+
+    Use `connect()` from a script; `local_trainer.LocalTrainer` builds one for declarative tasks.
+    """
+
+    def __init__(self, model: nn.Module, config: TrainerConfig, *, exchanged: Sequence[str] | None = None,
+                 optimizer: torch.optim.Optimizer | None = None, state: StateHook | None = None,
+                 frozen: layout.FrozenDigest | None = None, num_examples: int | None = None,
+                 num_val_examples: int | None = None, device: torch.device | None = None,
+                 describe: dict | None = None):
+        if not dist.is_initialized():
+            raise SessionError("torch.distributed is not initialized: call session.connect(), which joins the "
+                               "site's process group, or dist.init_process_group() first")
+        self.config = config
+        self.model = model
+        self.module = layout.unwrap(model)
+        self.optimizer = optimizer
+        self.state = state
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.device = device or strategies.device_for(config.site.backend)
+        self.layout = layout.Layout.of(self.module, layout.default_exchanged(self.module) if exchanged is None
+                                       else exchanged)
+        if not self.layout.exchanged:
+            raise SessionError("nothing to exchange: the model has no trainable parameters (or exchanged is empty)")
+        self.frozen = frozen if frozen is not None else self._hash_frozen()
+        self.manifest = self.layout.manifest(self.frozen)
+        self.num_examples, self.num_val_examples = num_examples, num_val_examples
+        self.describe = dict(describe or {})
+        self.rounds_reported = 0
+        self._stop_requested = False
+        self.commands: queue.Queue = queue.Queue()
+        # Site-private state the relay keeps here between rounds (codec error-feedback residuals):
+        # named float arrays on rank 0, handed out with Train replies and replaced by PutState.
+        self.site_state: dict[str, np.ndarray] = {}
+        self.state_lock = threading.Lock()
+        self.last_files: list[str | None] = []
+        # Rank 0's plan for the next local checkpoint: the round it covers, whether a PutState
+        # (the residuals of that round) is still expected, and how long to wait for it.
+        self.ckpt_due: int | None = None
+        self.ckpt_awaits_state = False
+        self.ckpt_deadline = 0.0
+        self._current: _Request | None = None
+        if config.site.checkpoint_every:
+            resumed = self.resume()
+            if resumed is not None and self.rank == 0:
+                self.site_state = resumed[1]
+
+    @property
+    def site(self) -> str:
+        return self.config.site.id
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """This site's workload options (workload.options with the site's workload_options merged)."""
+        return self.config.options
+
+    # ---- the exchanged tensors -----------------------------------------------------------
+    def _entries(self) -> list[transfer.Entry]:
+        tensors = layout.named_tensors(self.module)
+        return [(name, tensors[name]) for name in self.layout.names]
+
+    def _hash_frozen(self) -> layout.FrozenDigest:
+        """Collective: fingerprint the frozen tensors of a model the caller built (one pass)."""
+        digest = layout.FrozenDigest()
+        tensors = layout.named_tensors(self.module)
+        with torch.no_grad():
+            for name in self.layout.frozen:
+                t = tensors[name]
+                full = t.full_tensor() if isinstance(t, DTensor) else t
+                if self.rank == 0:
+                    digest.update(name, full)
+        return digest
+
+    def load(self, source: Mapping[str, np.ndarray] | None) -> dict[str, str]:
+        """Collective: the exchanged tensors from `source` (rank 0: a hand-off Reader or arrays by
+        name; None elsewhere) into every rank's model. Returns {name: why} of refused tensors."""
+        read = _wire_read(source) if self.rank == 0 else None
+        return transfer.stream_in(self._entries(), read, self.device)
+
+    def gather(self, visit=None) -> list[str]:
+        """Collective: walk the full exchanged tensors (rank 0 passes `visit(name, cpu_tensor)`);
+        returns every rank's digest (see `transfer.stream_out`)."""
+        mine = transfer.stream_out(self._entries(), visit, self.device)
+        if self.world == 1:
+            return [mine]
+        out: list = [None] * self.world
+        dist.all_gather_object(out, mine)
+        return out
+
+    def full_state(self) -> dict[str, np.ndarray]:
+        """Collective: the exchanged tensors as they travel, on rank 0 ({} elsewhere)."""
+        out: dict[str, np.ndarray] = {}
+        keep = (lambda n, t: out.__setitem__(n, layout.to_wire(t).copy())) if self.rank == 0 else None
+        self.gather(keep)
+        return out
+
+    # ---- rank 0: endpoint side -----------------------------------------------------------
+    def info(self) -> dict:
+        return {
+            "ok": True,
+            "site": self.site,
+            "workdir": self.config.workdir,  # the relay keeps the downlink reference model there
+            "workload": self.config.workload.name,
+            "ranks": self.world,
+            "parallelism": self.config.site.parallelism,
+            "device": str(self.device),
+            "num_examples": int(self.num_examples or 0),
+            "num_val_examples": int(self.num_val_examples or 0),
+            "spec": {n: [d, list(shape)] for n, (d, shape) in self.layout.wire_spec().items()},
+            "manifest": self.manifest,
+            **self.describe,
+        }
+
+    def handle(self, method: str, request: dict) -> dict:
+        """Called on gRPC threads: queue the work for the ranks' loop and wait for its answer."""
+        if method == "Info":
+            return self.info()
+        if method == "PutState":
+            return self.put_state(request)
+        if method == "Stop":
+            self._stop_requested = True
+            return {"ok": True, "stopping": True}
+        fut: Future = Future()
+        self.commands.put((method, request, fut))
+        try:
+            return fut.result(timeout=float(request.get("timeout_s", 600)))
+        except TimeoutError:
+            fut.cancel()
+            return {"ok": False, "error": f"site {self.site}: {method} did not finish in time"}
+
+    def put_state(self, request: dict) -> dict:
+        try:
+            arrays = handoff.map_arrays(handoff.Handle.from_json(request["state"]))
+        except (KeyError, OSError, ValueError) as err:
+            return {"ok": False, "error": f"site {self.site}: cannot read the state hand-off: {err}"}
+        with self.state_lock:
+            self.site_state = {k: np.array(v) for k, v in arrays.items()}
+            if self.ckpt_awaits_state:
+                self.ckpt_awaits_state = False
+                self.commands.put(("Nudge", {}, None))  # checkpoint now that the residuals are here
+        return {"ok": True, "arrays": len(self.site_state)}
+
+    def open_global(self, request: dict) -> handoff.Reader:
+        """Rank 0: open the request's global model and check its layout (names, dtypes, shapes)
+        before any rank sees it; values are checked as they load. RequestRejected says what is wrong."""
+        try:
+            reader = handoff.Reader(handoff.Handle.from_json(request["global"]))
+        except (KeyError, OSError, ValueError) as err:
+            raise RequestRejected(f"cannot read the global model hand-off: {err}") from None
+        try:
+            self._check_layout(reader)
+        except BaseException:
+            reader.close()
+            raise
+        return reader
+
+    def _check_layout(self, reader: handoff.Reader) -> None:
+        names = self.layout.names
+        if list(reader) != names:
+            missing = sorted(set(names) - set(reader))
+            extra = sorted(set(reader) - set(names))
+            raise RequestRejected(f"global model does not match this site's model: missing {missing[:5]}, "
+                                  f"unexpected {extra[:5]}")
+        for e, spec in zip(reader.handle.entries, self.layout.exchanged):
+            ok = layout.accepted_wire(spec.dtype)
+            if e.dtype not in ok or e.shape != spec.shape:
+                raise RequestRejected(f"global tensor {e.name}: got {e.dtype}{e.shape}, expected "
+                                      f"{' or '.join(ok)}{spec.shape} ({layout.dtype_name(spec.dtype)})")
+
+    # ---- all ranks: the loop ---------------------------------------------------------------
+    def stop(self) -> None:
+        """Ask the loop to end after the current round (any rank may call it; rank 0's call counts)."""
+        self._stop_requested = True
+
+    def rounds(self) -> Iterator[Round]:
+        """Collective: the coordinator's requests, the same on every rank, until the trainer is stopped.
+
+        Serves the endpoint (rank 0) from the first iteration; SIGTERM ends the loop cleanly on
+        every rank once the current round is answered.
+        """
+        server = self._serve() if self.rank == 0 else None
+        previous = self._catch_sigterm()
+        try:
+            while True:
+                req, kind = self._next_command()
+                if kind == "stop":
+                    return
+                if kind is None:
+                    continue
+                rnd = self._begin(req, kind)
+                if rnd is None:
+                    continue
+                try:
+                    yield rnd
+                except GeneratorExit:  # the loop was left mid-round: answer, then let it close
+                    self._end(rnd, closing=True)
+                    raise
+                self._end(rnd)
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+            if server is not None:
+                self._shutdown(server)
+
+    def _catch_sigterm(self):
+        if threading.current_thread() is not threading.main_thread():
+            return None
+
+        def on_term(signum, frame):  # noqa: ARG001 - only a flag: the loop ends at its next command
+            self._stop_requested = True
+        return signal.signal(signal.SIGTERM, on_term)
+
+    def _serve(self):
+        server = endpoint.serve(self.config.socket, self.handle)
+        Path(self.config.socket + ".ready").write_text(json.dumps(self.info()))
+        log.info("site %s: trainer ready with %d rank(s) on %s", self.site, self.world, self.config.socket)
+        return server
+
+    def _shutdown(self, server) -> None:
+        server.stop(grace=1.0)
+        if self._current is not None:
+            self._current.answer({"ok": False, "error": f"site {self.site}: the training loop stopped"})
+            self._current.close()
+        while True:
+            try:
+                _, _, fut = self.commands.get_nowait()
+            except queue.Empty:
+                break
+            if fut is not None and fut.set_running_or_notify_cancel():
+                fut.set_result({"ok": False, "error": f"site {self.site}: the trainer is stopping"})
+        for path in self.last_files:
+            handoff.release(path)
+        for p in (self.config.socket, self.config.socket + ".ready"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p)
+
+    def _take_request(self) -> tuple[str, dict, Future | None]:
+        """Rank 0: the next request, a heartbeat when none came in time, or Stop."""
+        wait = HEARTBEAT_S
+        if self.ckpt_due is not None:
+            wait = min(wait, max(0.0, self.ckpt_deadline - time.monotonic())) if self.ckpt_awaits_state else 0.0
+        end = time.monotonic() + wait
+        while not self._stop_requested:
+            try:
+                method, request, fut = self.commands.get(timeout=max(0.0, min(POLL_S, end - time.monotonic())))
+                return ("Heartbeat", {}, None) if method == "Nudge" else (method, request, fut)
+            except queue.Empty:
+                if time.monotonic() >= end:
+                    return "Heartbeat", {}, None
+        return "Stop", {}, None
+
+    def _next_command(self) -> tuple[_Request | None, str | None]:
+        """Collective: rank 0 takes the next request and tells every rank what to run ("train",
+        "evaluate", "stop" or None for a heartbeat), writing a due local checkpoint first."""
+        if self.rank == 0:
+            method, request, fut = self._take_request()
+            ckpt = None
+            if self.ckpt_due is not None and (method != "Heartbeat" or not self.ckpt_awaits_state
+                                              or time.monotonic() >= self.ckpt_deadline):
+                ckpt, self.ckpt_due, self.ckpt_awaits_state = self.ckpt_due, None, False
+            reader = None
+            if method in ("Train", "Evaluate"):
+                for path in self.last_files:  # the previous reply has been read by now
+                    handoff.release(path)
+                self.last_files = []
+                try:
+                    if fut.cancelled():
+                        raise RequestRejected("the caller gave up before the request was taken")
+                    reader = self.open_global(request)
+                except RequestRejected as err:
+                    if not fut.cancelled():
+                        fut.set_result({"ok": False, "error": f"site {self.site}: {err}"})
+                    method, request, fut = "Heartbeat", {}, None
+            elif method not in ("Heartbeat", "Stop"):
+                fut.set_result({"ok": False, "error": f"site {self.site}: unknown method {method!r}"})
+                method, request, fut = "Heartbeat", {}, None
+            header = [method, {k: v for k, v in request.items() if k != "global"}, ckpt]
+        else:
+            header = [None, None, None]
+        if self.world > 1:
+            dist.broadcast_object_list(header, src=0)
+        method, request, ckpt = header
+        if ckpt is not None:
+            with self.state_lock:
+                site_state = dict(self.site_state)
+            self.save_checkpoint(ckpt, site_state)
+        if method == "Stop":
+            return None, "stop"
+        if method == "Heartbeat":
+            return None, None
+        req = _Request(method, request, fut, reader) if self.rank == 0 else _Request(method, request, None, None)
+        return req, {"Train": "train", "Evaluate": "evaluate"}[method]
+
+    def serve_one(self, method: str, request: dict, body) -> dict:
+        """Collective: one request, handed over in-process instead of through the endpoint (every
+        rank passes the same `request`; tools and benchmarks): the same load, `body(round)` and
+        reply as a served request. Returns the reply on rank 0, {} elsewhere."""
+        kind = {"Train": "train", "Evaluate": "evaluate"}[method]
+        fut: Future | None = Future() if self.rank == 0 else None
+        reader = self.open_global(request) if self.rank == 0 else None
+        rnd = self._begin(_Request(method, request, fut, reader), kind)
+        if rnd is not None:
+            try:
+                body(rnd)
+            finally:
+                self._end(rnd)
+        return fut.result(timeout=0) if fut is not None else {}
+
+    def _begin(self, req: _Request, kind: str) -> Round | None:
+        """Collective: load the global model; None (the request answered) when it is refused."""
+        t0 = time.perf_counter()
+        refused = self.load(req.reader)
+        if refused:
+            if self.rank == 0:
+                what = "; ".join(f"global tensor {n} {why}" for n, why in list(refused.items())[:3])
+                req.answer({"ok": False, "error": f"site {self.site}: {what}"})
+            req.close()
+            return None
+        self._current = req
+        return Round(self, kind, req.request, time.perf_counter() - t0)
+
+    def _end(self, rnd: Round, closing: bool = False) -> None:
+        req, self._current = self._current, None
+        if req is None:
+            return
+        why = "failed in report()" if rnd.reported else \
+            "ended without report(); the training loop must call rnd.report(...) on every rank"
+        req.answer({"ok": False, "error": f"site {self.site}: round {rnd.number} {why}"})  # if still unanswered
+        req.close()
+        if not rnd.reported and not closing:
+            raise SessionError(f"round {rnd.number} ({rnd.kind}) ended without rnd.report(...); call it once per "
+                               "round, on every rank, before taking the next round")
+
+    # ---- all ranks: the end of a round -------------------------------------------------------
+    def _combine(self, num_examples: int, loss, metrics: dict, need_loss: bool = False
+                 ) -> tuple[int, dict[str, float]]:
+        """Collective: examples summed over ranks; loss and metrics averaged weighted by examples.
+
+        Every rank first shares whether its report is usable (and its metric names), so that a bad
+        report on one rank raises the same SessionError on every rank instead of leaving the others
+        waiting in the reduction."""
+        values = {**({"loss": loss} if loss is not None else {}), **metrics}
+        keys = sorted(values)
+        problem, parts = None, []
+        if isinstance(num_examples, bool) or not isinstance(num_examples, (int, np.integer)) or num_examples < 0:
+            problem = f"report(num_examples={num_examples!r}): give this rank's example count, an int >= 0"
+        elif need_loss and loss is None:
+            problem = "an evaluation round must report loss=... (the coordinator averages eval_loss)"
+        else:
+            n = torch.tensor(float(num_examples), dtype=torch.float64, device=self.device)
+            parts.append(n)
+            for k in keys:
+                v = values[k]
+                try:
+                    v = v.detach().to(self.device, torch.float64).reshape(()) if isinstance(v, torch.Tensor) \
+                        else torch.tensor(float(v), dtype=torch.float64, device=self.device)
+                except (TypeError, ValueError, RuntimeError):
+                    problem = f"report({k}={values[k]!r}): metrics must be numbers or 1-element tensors"
+                    break
+                parts.append(torch.where(n > 0, v * n, torch.zeros_like(v)))
+        every: list = [(keys, problem)]
+        if self.world > 1:
+            every = [None] * self.world
+            dist.all_gather_object(every, (keys, problem))
+        bad = [f"rank {r}: {p}" for r, (_, p) in enumerate(every) if p]
+        if bad:
+            raise SessionError("; ".join(bad))
+        if any(k != keys for k, _ in every):
+            raise SessionError("ranks reported different metrics: " + "; ".join(
+                f"rank {r}: {k}" for r, (k, _) in enumerate(every)) + "; report the same keys on every rank")
+        total = torch.stack(parts)
+        if self.world > 1:
+            dist.all_reduce(total)
+        total = total.cpu().tolist()
+        count = total[0]
+        return int(round(count)), {k: (s / count if count > 0 else 0.0) for k, s in zip(keys, total[1:])}
+
+    def _finish(self, rnd: Round, num_examples: int, loss, metrics: dict) -> None:
+        count, means = self._combine(num_examples, loss, metrics, need_loss=rnd.evaluating)
+        req = self._current
+        if rnd.evaluating:
+            out = {f"eval_{k}" if not k.startswith("eval_") else k: v for k, v in means.items()}
+            out.update(num_val_examples=count, load_s=rnd.load_s)
+            if self.rank == 0:
+                self.num_val_examples = count
+                req.answer({"ok": True, "metrics": out, "num_examples": count})
+            return
+        means.setdefault("train_s", time.perf_counter() - rnd._started)
+        t1 = time.perf_counter()
+        handle, digests = self._pack_update(req, str(rnd.config.get("update_kind", "delta")), rnd.number)
+        self.rounds_reported += 1
+        if self.rank != 0:
+            return
+        self.num_examples = count
+        every = self.config.site.checkpoint_every
+        if every and self.rounds_reported % every == 0:
+            self.ckpt_due = rnd.number
+            self.ckpt_awaits_state = bool(req.request.get("with_state"))
+            self.ckpt_deadline = time.monotonic() + STATE_WAIT_S
+        means.update(load_s=rnd.load_s, pack_s=time.perf_counter() - t1)
+        state = None
+        if req.request.get("with_state"):
+            with self.state_lock:
+                state = handoff.write_arrays(self.site_state, tag=f"{self.site}-state").to_json()
+        self.last_files = [handle.path, state["path"] if state else None]
+        req.answer({"state": state, "ok": True, "update": handle.to_json(), "num_examples": count,
+                    "metrics": means, "rank_digests": digests})
+
+    def _pack_update(self, req: _Request, kind: str, round_no: int) -> tuple[handoff.Handle | None, list[str]]:
+        """Collective: stream the exchanged tensors into rank 0's hand-off file (weights, or the delta
+        from the global model it read), one tensor at a time; every rank gets every rank's digest."""
+        writer = handoff.Writer(self.layout.wire_spec(), tag=f"{self.site}-update") if self.rank == 0 else None
+        specs = {s.name: s for s in self.layout.exchanged}
+
+        def put(name: str, t: torch.Tensor) -> None:
+            out = layout.to_wire(t)
+            if kind == "delta":
+                glob = req.reader[name]  # a fresh copy of the global tensor: subtract into it
+                if glob.dtype == out.dtype and out.dtype.kind == "f":
+                    out = np.subtract(out, glob, out=glob)
+                else:  # raw bf16 words, or a float32 global of a bf16 tensor: subtract in float32
+                    g = layout.from_wire(glob, specs[name].dtype).float()
+                    out = layout.to_wire((t.float() - g).to(specs[name].dtype))
+            writer.write(name, out)
+
+        try:
+            digests = self.gather(put if writer is not None else None)
+        finally:
+            if writer is not None:
+                writer.close()
+        handle = writer.handle if writer is not None else None
+        if handle is not None and self.config.site.dump_updates:
+            dump = Path(self.config.workdir) / "updates"
+            dump.mkdir(parents=True, exist_ok=True)
+            np.savez(dump / f"round_{round_no:04d}.npz", **handoff.map_arrays(handle))
+        return handle, digests
+
+    # ---- local checkpoints ----------------------------------------------------------------
+    def save_checkpoint(self, round_no: int, site_state: dict[str, np.ndarray]) -> Path:
+        """Collective: a sharded checkpoint of everything a resumed rank needs."""
+        t0 = time.perf_counter()
+        extras = {"rounds_reported": self.rounds_reported, "torch_rng": torch.get_rng_state(),
+                  "user": self.state.state_dict() if self.state is not None else {}}
+        path = local_checkpoint.save(self.config.workdir, round_no, self.model, self.optimizer, extras, site_state,
+                                     self.config.site.parallelism, self.config.site.checkpoint_keep)
+        if self.rank == 0:
+            log.info("site %s: local checkpoint of round %d in %s (%.2fs)", self.site, round_no, path,
+                     time.perf_counter() - t0)
+        return path
+
+    def resume(self) -> tuple[int, dict[str, np.ndarray]] | None:
+        """Collective: restore the newest local checkpoint if there is one; returns (round, site_state)."""
+        path = local_checkpoint.find_latest(self.config.workdir)
+        if path is None:
+            return None
+        saved = local_checkpoint.load(path, self.model, self.optimizer, self.config.site.parallelism)
+        round_no, site_state = -1, {}
+        if saved is not None:
+            round_no, extras, site_state = saved
+            torch.set_rng_state(extras["torch_rng"])
+            self.rounds_reported = int(extras["rounds_reported"])
+            if self.state is not None:
+                self.state.load_state_dict(extras["user"])
+        if self.rank == 0:
+            log.info("site %s: resumed from local checkpoint %s (round %d: model, optimizer, RNG, %d site-state "
+                     "array(s))", self.site, path, round_no, len(site_state))
+        return round_no, site_state
+
+
+def connect(model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
+            exchanged: Sequence[str] | None = None, state: StateHook | None = None,
+            num_examples: int | None = None, config: TrainerConfig | None = None) -> Session:
+    """Collective: join the federation from a torchrun script; every rank calls it with its model.
+
+    `model` may be a plain module, DDP-wrapped, or sharded by FSDP2's `fully_shard` (DTensors):
+    the session loads the global weights into it and gathers the update from it. `exchanged`
+    names the tensors that travel (state-dict names; default: the trainable parameters), which
+    must match the coordinator's model (workload.model). With `optimizer` (and `state`, anything
+    with state_dict/load_state_dict) the session's local checkpoints (site.checkpoint_every) keep
+    and restore them. `num_examples` is the site's training-set size the coordinator sees at
+    discovery (SecAgg weights); by default the count of the last training report.
+
+    The configuration comes from $SOVFL_TRAINER_CONFIG (set when sovfl starts the script); the
+    process group is joined here unless the script did it already.
+    """
+    cfg = config or site_config()
+    if not dist.is_initialized():
+        init_process_group(cfg, int(os.environ.get(ENV_NODE_RANK, "0")))
+    if dist.get_world_size() != cfg.site.world_size:
+        raise SessionError(f"site {cfg.site.id}: the process group has {dist.get_world_size()} rank(s), the site "
+                           f"config says {cfg.site.world_size}; start the script with torchrun "
+                           f"--nproc-per-node={cfg.site.ranks}")
+    return Session(model, cfg, exchanged=exchanged, optimizer=optimizer, state=state, num_examples=num_examples,
+                   describe={"loop": "script"})

@@ -1,0 +1,199 @@
+"""Full tensors between rank 0's host memory and every rank's replica or shard, one at a time.
+
+`stream_in`: rank 0 fills each tensor (from the relay's hand-off file, or from its own real build
+of the model) and broadcasts it; every rank keeps what it holds: the whole tensor (ddp, buffers)
+or its dim-0 shard (zero2/zero3). `stream_out`: every rank assembles each full tensor (all-gather
+under ZeRO), rank 0 passes it on (to the update's hand-off file), and every rank hashes what it
+assembled. Whatever the parallelism, no rank holds more of the full model than the tensors in
+flight (at most two).
+
+Cheap on purpose, because the hand-off sits between every two rounds:
+- in: rank 0 reads each tensor straight into its destination (on the CPU, the parameter itself;
+  on a GPU, a pinned staging buffer copied asynchronously, double-buffered) while the previous
+  tensor's broadcast is still travelling; finiteness is checked as each tensor arrives (one
+  min/max reduction on the tensor's device, flags read once at the end), not in a second pass;
+- out: on a GPU each tensor is copied to pinned memory asynchronously; hashing and rank 0's
+  packing (delta, write) run on two worker threads (hashlib, numpy and pwrite release the GIL),
+  side by side and overlapping the next tensor's all-gather and copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+from site_trainer import layout
+
+Entry = tuple[str, torch.Tensor]  # (state-dict name, the tensor the module holds: plain or DTensor)
+ReadInto = Callable[[str, np.ndarray], None]  # rank 0: fill this wire-dtype array with tensor `name`
+
+
+class _Staging:
+    """Two reusable host buffers for a GPU's copies (pinned: asynchronous and about twice as fast
+    as pageable memory); on the CPU there is nothing to stage."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._bufs: list[torch.Tensor | None] = [None, None]
+        self._ready: list[torch.cuda.Event | None] = [None, None]
+        self._next = 0
+
+    def take(self, nbytes: int) -> tuple[int, torch.Tensor]:
+        """A free buffer of at least `nbytes` (waits until its last asynchronous copy is done)."""
+        i, self._next = self._next, 1 - self._next
+        if self._ready[i] is not None:
+            self._ready[i].synchronize()
+        buf = self._bufs[i]
+        if buf is None or buf.numel() < nbytes:
+            buf = self._bufs[i] = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=self.cuda)
+        return i, buf[:nbytes]
+
+    def mark(self, i: int) -> torch.cuda.Event | None:
+        """Buffer `i` is in use by an asynchronous copy issued just now; returns its completion event."""
+        if not self.cuda:
+            return None
+        ev = self._ready[i] = torch.cuda.Event()
+        ev.record()
+        return ev
+
+
+def _as_dtype(raw: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    return raw.view(dtype).view(shape) if raw.numel() else torch.empty(shape, dtype=dtype)
+
+
+def _keep(local_target: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy what this rank holds of `full` into `local_target` (the module's tensor)."""
+    if isinstance(local_target, DTensor):
+        local = local_target.to_local()
+        placements = local_target.placements
+        if all(isinstance(p, Shard) and p.dim == 0 for p in placements) and local_target.device_mesh.ndim == 1:
+            rank, world = local_target.device_mesh.get_local_rank(), local_target.device_mesh.size()
+            chunks = full.chunk(world, dim=0)  # FSDP2's layout: torch.chunk's dim-0 pieces over the mesh
+            mine = chunks[rank] if rank < len(chunks) else full[:0]
+            if mine.shape != local.shape:
+                raise RuntimeError(f"shard layout mismatch: rank {rank} of {world} holds {tuple(local.shape)} of "
+                                   f"{tuple(full.shape)}, expected {tuple(mine.shape)}")
+            local.copy_(mine)
+        else:  # other meshes and placements: let DTensor cut this rank's part (no communication)
+            from torch.distributed.tensor import distribute_tensor
+
+            local.copy_(distribute_tensor(full, local_target.device_mesh, placements, src_data_rank=None).to_local())
+    elif full is not local_target:
+        local_target.copy_(full)
+
+
+@torch.no_grad()
+def stream_in(entries: Sequence[Entry], read: ReadInto | None, device: torch.device, check_finite: bool = True
+              ) -> dict[str, str]:
+    """Collective: every rank gets the tensors rank 0 reads with `read` (None on other ranks).
+
+    Returns {name: reason} for tensors that were unreadable or not finite, the same on every rank
+    (empty: all loaded). A rejected load leaves the model partly overwritten: the caller must load
+    again before using it (every round request does).
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    staging = _Staging(device)
+    flags = torch.zeros(len(entries), dtype=torch.bool, device=device) if rank == 0 and check_finite else None
+    unreadable: dict[str, str] = {}
+    in_flight: list[tuple[dist.Work | None, torch.Tensor, torch.Tensor]] = []
+
+    def finish(work: dist.Work | None, target: torch.Tensor, full: torch.Tensor) -> None:
+        if work is not None:
+            work.wait()
+        _keep(target, full)
+
+    for i, (name, t) in enumerate(entries):
+        dtype, shape = t.dtype, tuple(t.shape)
+        direct = not isinstance(t, DTensor) and t.device == device and t.is_contiguous()
+        dest = t if direct else torch.empty(shape, dtype=dtype, device=device)
+        if rank == 0:
+            wire = layout.wire_dtype(dtype)
+            try:
+                if device.type == "cpu":
+                    read(name, layout.to_wire(dest.detach()))
+                else:
+                    j, raw = staging.take(dest.numel() * dest.element_size())
+                    read(name, raw.numpy().view(wire).reshape(shape))
+                    dest.copy_(_as_dtype(raw, dtype, shape), non_blocking=True)
+                    staging.mark(j)
+            except (OSError, ValueError, KeyError) as err:
+                unreadable[name] = f"cannot be read ({err})"
+                dest.zero_()  # the others wait for this broadcast: send something, then refuse the load
+            if flags is not None and dest.numel():
+                lo, hi = torch.aminmax(dest)
+                flags[i] = ~(torch.isfinite(lo) & torch.isfinite(hi))
+        # asynchronous: rank 0 reads the next tensor while this one travels (at most two in flight)
+        in_flight.append((dist.broadcast(dest, src=0, async_op=True) if world > 1 else None, t, dest))
+        if len(in_flight) == 2:
+            finish(*in_flight.pop(0))
+        del dest
+    for item in in_flight:
+        finish(*item)
+    in_flight.clear()
+    bad: list = [None]
+    if rank == 0:
+        if flags is not None:
+            for i in torch.nonzero(flags.cpu()).flatten().tolist():
+                unreadable.setdefault(entries[i][0], "contains NaN or Inf")
+        bad[0] = unreadable
+    if world > 1:
+        dist.broadcast_object_list(bad, src=0)
+    return bad[0]
+
+
+@torch.no_grad()
+def stream_out(entries: Sequence[Entry], visit: Callable[[str, torch.Tensor], None] | None,
+               device: torch.device) -> str:
+    """Collective under ZeRO: walk the full tensors in order, one CPU tensor at a time, calling
+    `visit(name, tensor)` on each (rank 0 packs them); return this rank's digest.
+
+    The digest is sha256 (16 hex chars) of the tensors' bytes as they travel, back to back: under
+    ddp of this rank's replica, under ZeRO of the full tensors as this rank assembles them from
+    every shard. Equal for equal weights whatever the parallelism.
+    """
+    h = hashlib.sha256()
+    staging = _Staging(device)
+    pending: list[list[Future]] = []
+
+    def landed(copied: torch.cuda.Event | None) -> None:
+        if copied is not None:
+            copied.synchronize()  # the asynchronous device-to-host copy is complete
+
+    def digest(host: torch.Tensor, copied: torch.cuda.Event | None) -> None:
+        landed(copied)
+        h.update(layout.to_wire(host).reshape(-1).view(np.uint8))
+
+    def consume(name: str, host: torch.Tensor, copied: torch.cuda.Event | None) -> None:
+        landed(copied)
+        visit(name, host)
+
+    # Hashing and rank 0's packing read the same host tensor on two threads (both release the GIL).
+    with ThreadPoolExecutor(1, "sovfl-hash") as hasher, ThreadPoolExecutor(1, "sovfl-pack") as packer:
+        for name, t in entries:
+            full = (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+            if len(pending) == 2:  # at most two tensors in flight: one being consumed, one queued
+                for fut in pending.pop(0):
+                    fut.result()
+            copied = None
+            if full.device.type == "cpu":
+                host = full.contiguous()
+            else:  # the buffer is free: its last consumers finished above
+                j, raw = staging.take(full.numel() * full.element_size())
+                host = _as_dtype(raw, full.dtype, full.shape)
+                host.copy_(full, non_blocking=True)
+                copied = staging.mark(j)
+            futs = [hasher.submit(digest, host, copied)]
+            if visit is not None:
+                futs.append(packer.submit(consume, name, host, copied))
+            pending.append(futs)
+            del full
+        for futs in pending:
+            for fut in futs:
+                fut.result()
+    return h.hexdigest()[:16]
