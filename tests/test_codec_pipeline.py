@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import live_marked, sovfl, write_config
+from test_report_cmd import check_report
 from federation.site.codec_mod import encode_update
 from federation.protocol.update_codec import CodecStage, round_seed
 from federation.protocol.codecs import UpdateSpec
@@ -91,4 +92,12 @@ def test_federation_with_topk_uplink_and_int8_downlink(tmp_path, marker):
     assert lines[1]["final_eval_loss"] < lines[1]["eval_loss"] - 0.05
     assert lines[1]["eval_loss"] < lines[0]["eval_loss"]
     assert lines[1]["final_eval_accuracy"] > 0.2  # twice chance after two short rounds
+    # per-stage timing in every line, and the run's report with every figure drawn from data
+    for line in lines:
+        t = line["timing"]
+        assert t["site_work_s"] > 0 and t["round_s"] == pytest.approx(line["round_s"], abs=1e-3)
+        assert t["stages"] and all(s["push_s"] >= 0 and s["replies"] == 2 for s in t["stages"])
+        assert "checkpoint_s" in t and "optimizer_s" in t
+    assert f"report: {run / 'report.html'}" in proc.stdout
+    check_report(run / "report.html", figures=4)
     assert live_marked(marker) == []

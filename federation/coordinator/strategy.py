@@ -190,7 +190,7 @@ def site_metrics(reply: Reply) -> dict:
     m = dict(reply.message.content.metric_records.get(keys.METRICS, {}))
     out = {"loss": m.get("loss"), "samples": int(st["num_examples"]), "seconds": m.get("train_s"),
            "relay_s": m.get("relay_s"), "rank_digests": list(st.get("rank_digests", []))}
-    for key in ("upload_bytes", "dense_bytes", "encode_s", "state_arrays_in"):
+    for key in ("upload_bytes", "dense_bytes", "encode_s", "state_arrays_in", "train_call_s", "evaluate_call_s"):
         if key in m:
             out[key] = m[key]
     return out

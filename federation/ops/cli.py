@@ -11,6 +11,8 @@ from pathlib import Path
 from crypto.pki import CoordinatorBundle, provision
 from federation.config.schema import ConfigError, load_config
 from federation.ops import launcher
+from federation.ops.report_cmd import register as register_report
+from federation.ops.report_cmd import report_after_run
 from site_trainer.launch import RendezvousUnreachable, check_node_rank, wait_for_rendezvous
 
 
@@ -34,6 +36,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
               f"(logs: {result['workdir']}/logs)", file=sys.stderr)
         return 1
     print(f"checkpoints and metrics in {result['workdir']}")
+    print(report_after_run(result["workdir"]))
     print(launcher.result_line(result))
     return 0
 
@@ -222,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--rdzv-timeout", type=float,
                    help="nodes >= 1: seconds to wait for node 0's rendezvous endpoint and for the nodes to "
                         "join (default: deadlines.trainer_start_s)")
+    register_report(sub)
     return p
 
 
