@@ -228,3 +228,21 @@ def test_a_failing_coordinator_attester_excludes_sites_without_ending_the_round(
     coord.admission.refusals(1, out)
     assert set(out.codes.values()) == {"coordinator_attester_failed"}
     assert "TEE report device busy" in out.excluded["a"]
+
+
+def test_evidence_asked_on_a_rounds_first_message_survives_its_second(world, tmp_path, monkeypatch):
+    """Under SecAgg a round sends each site two messages (train, unmask). The admission rider asks
+    for the next round's evidence on the first; the reply to the second, which carries no nonce and
+    so no evidence, must not undo that appraisal (it did: every other round lost all its sites)."""
+    coord, nodes, log = admission_run(world, tmp_path)
+    monkeypatch.setattr(coord, "round_horizon_s", lambda: 60.0)
+    coord.prepare(1, nodes)
+    assert coord.admit(1, nodes).admitted == nodes
+    coord.riders = [coord.admission.rider(1, 2, lambda n, name: True, coord.known_name, lambda: nodes)]
+    try:
+        for stage in ("train", "unmask"):
+            coord.exchange(Exchange(f"round 1 {stage}", "query", nodes, lambda n: RecordDict(), 5.0))
+    finally:
+        coord.riders = []
+    out = coord.admit(2, nodes)
+    assert out.admitted == nodes and out.attested == ["a", "b"] and not out.excluded, out.excluded

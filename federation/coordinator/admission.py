@@ -243,7 +243,9 @@ class AdmissionRider:
             self.adm.their_until.pop(name, None)
         if "challenge" in rec:
             self.adm.challenges[node] = str(rec["challenge"])
-        if node in self.asked and self.next is not None:
+        if node in self.asked and node not in self.answered and self.next is not None:
+            # the reply to the message that carried our nonce; a later message of the round (the
+            # unmask query) carries none, and its reply must not undo this one's appraisal
             self.answered.add(node)
             if "evidence" in rec:
                 self.adm.appraise(self.next, node, name, str(rec["evidence"]))
