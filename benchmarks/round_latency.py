@@ -114,7 +114,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--sites", type=int, default=3)
-    ap.add_argument("--hidden", type=int, default=64, help="digits MLP hidden width (model size)")
+    ap.add_argument("--hidden", type=int, default=2048,
+                    help="digits MLP hidden width: 2048 gives 153k parameters, about `make demo`'s model")
     ap.add_argument("--local-steps", type=int, default=10)
     ap.add_argument("--workdir", type=Path, default=None)
     args = ap.parse_args()
@@ -160,8 +161,8 @@ def main() -> None:
     stages = lines[-1].get("timing", {}).get("stages", [])
     if stages:
         print("# our last round, per stage: " + "; ".join(
-            f"{s['stage']}: {s['seconds']:.2f}s (push {s['push_s']:.2f}, wait {s['wait_s']:.2f}, "
-            f"slowest reply {s['slowest_reply_s']:.2f})" for s in stages))
+            f"{s['stage']}: {s['seconds']:.2f}s (push {s.get('push_s', 0):.2f}, wait {s.get('wait_s', 0):.2f}, "
+            f"slowest reply {s.get('slowest_reply_s', 0):.2f})" for s in stages))
     ours_med, flower_med = statistics.median(ours_over), statistics.median(flower_over)
     round_trips = max(trips, default=0)
     print(f"RESULT ours_overhead_s={ours_med:.2f} flower_overhead_s={flower_med:.2f} "
