@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
 
+from site_trainer.pii.config import PiiConfig
+
 
 class StrictModel(BaseModel):
     """Unknown fields are errors (typos must not be silently ignored); values are immutable."""
@@ -126,6 +128,10 @@ class SiteConfig(StrictModel):
     activation_checkpointing: bool = Field(False, description="recompute each transformer block in backward")
     checkpoint_every: int = Field(0, ge=0, description="sharded local checkpoint every N trained rounds; 0 = off")
     checkpoint_keep: int = Field(2, ge=1, description="local checkpoints kept on disk")
+    pii: PiiConfig = Field(
+        default_factory=PiiConfig,
+        description="PII scrubbing of the site's raw text before tokenization (tasks that read text, e.g. "
+                    "hf-causal-lm); default: on, every pattern entity, masked. Ignored by other tasks")
     # Multi-node sites: one torchrun per node, joined by torchrun's c10d rendezvous.
     nnodes: int = Field(1, ge=1, le=64, description="nodes of this site; each runs `ranks` processes")
     rdzv_endpoint: str | None = Field(

@@ -27,6 +27,7 @@ from torch.utils.data import default_collate
 
 from site_trainer import host_memory, layout, strategies, transfer, workload_loader
 from site_trainer.config import TrainerConfig
+from site_trainer.pii import transform as pii_transform
 from site_trainer.session import RequestRejected, Session
 from site_trainer.workload import Batch, TaskContext
 
@@ -70,12 +71,21 @@ class LocalTrainer:
             host_memory.return_freed_memory_eagerly()
         strategies.check_supported(s.parallelism, s.backend, self.device)
         self.dtype = strategies.compute_dtype(s.mixed_precision, self.device)
+        transforms = pii_transform.site_transforms(s.pii, workload_loader.task_class(cfg.workload.task),
+                                                   Path(cfg.workdir), s.id)
         ctx = TaskContext(role="site", seed=cfg.seed, site=s.id, partition=s.partition,
                           num_partitions=cfg.num_partitions, rank=self.rank, world_size=self.world, device=self.device,
-                          workdir=Path(cfg.workdir), log=logging.getLogger(f"sovfl.task.{s.id}"))
+                          workdir=Path(cfg.workdir), log=logging.getLogger(f"sovfl.task.{s.id}"),
+                          document_transforms=transforms)
         self.task = workload_loader.build_task(cfg.workload, ctx, cfg.options)
         torch.manual_seed(cfg.seed)
         self.data = self.task.build_data()
+        # counts per PII entity type (never text): in every train reply, hence the round's metrics line
+        site_metrics = pii_transform.round_metrics(transforms, f"task {cfg.workload.name!r}")
+        if transforms and self.rank == 0:
+            found = pii_transform.counts_from_metrics(site_metrics)
+            log.info("site %s: PII scrubbed before tokenization: %s", s.id,
+                     ", ".join(f"{k} {n}" for k, n in found.items()) or "no entity configured")
         self.module, self.model, exchanged, frozen = self._build_model(sharded)
         self.replicated = strategies.replicated_params(self.module) if sharded else []
         groups = strategies.param_groups(self.module.named_parameters(), s.weight_decay)
@@ -91,6 +101,7 @@ class LocalTrainer:
         self.total_steps = cfg.rounds * s.local_steps if cfg.rounds else None
         self.session = Session(self.model, cfg, exchanged=exchanged, optimizer=self.optimizer, state=self,
                                frozen=frozen, num_examples=len(self.data.train), num_val_examples=n_val,
+                               site_metrics=site_metrics,
                                device=self.device, describe={"compute": "bf16" if self.dtype else "fp32",
                                                              "loop": "task"})
         if self.rank == 0:

@@ -229,7 +229,7 @@ class Session:
                  optimizer: torch.optim.Optimizer | None = None, state: StateHook | None = None,
                  frozen: layout.FrozenDigest | None = None, num_examples: int | None = None,
                  num_val_examples: int | None = None, device: torch.device | None = None,
-                 describe: dict | None = None):
+                 describe: dict | None = None, site_metrics: Mapping[str, float] | None = None):
         if not dist.is_initialized():
             raise SessionError("torch.distributed is not initialized: call session.connect(), which joins the "
                                "site's process group, or dist.init_process_group() first")
@@ -248,6 +248,9 @@ class Session:
         self.manifest = self.layout.manifest(self.frozen)
         self.num_examples, self.num_val_examples = num_examples, num_val_examples
         self.describe = dict(describe or {})
+        # Figures of the site rather than of a round (the PII scrubber's counts per entity type), added
+        # by rank 0 to every train reply as they are: numbers only, never text.
+        self.site_metrics = {str(k): float(v) for k, v in (site_metrics or {}).items()}
         self.rounds_reported = 0
         self._stop_requested = False
         self.commands: queue.Queue = queue.Queue()
@@ -619,7 +622,7 @@ class Session:
             self.ckpt_due = rnd.number
             self.ckpt_awaits_state = bool(req.request.get("with_state"))
             self.ckpt_deadline = time.monotonic() + STATE_WAIT_S
-        means.update(load_s=rnd.load_s, pack_s=time.perf_counter() - t1)
+        means.update(load_s=rnd.load_s, pack_s=time.perf_counter() - t1, **self.site_metrics)
         state = None
         if req.request.get("with_state"):
             with self.state_lock:

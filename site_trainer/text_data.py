@@ -86,8 +86,9 @@ class DocumentTransform(Protocol):
     order, to work on the stream as a whole (e.g. over a process pool); it is then used instead
     of `__call__`. A transform may also define `report() -> dict` (JSON-serialisable counts, never
     text): it is called once after a build and stored in the cache index under
-    `transform_reports[fingerprint]`, so that a reused cache still has it. Transforms must not log
-    or return document text anywhere else.
+    `transform_reports[fingerprint]`, so that a reused cache still has it; `restore_report(report)`,
+    if defined, is called on every rank after `prepare` with that stored report (None if the build
+    stored none). Transforms must not log or return document text anywhere else.
     """
 
     fingerprint: str
@@ -541,8 +542,21 @@ def prepare(corpus: Corpus, tokenizer, workdir: Path, stall_s: float = 300.0) ->
     if distributed:
         _check_shared(root, nonce, rank)
         if rank != 0:
-            return TokenCache.open(root / key) if ready else _wait(root, key, nonce, stall_s, rank)
-    return cache if cache is not None else _build(corpus, tokenizer, root, key, nonce)
+            cache = TokenCache.open(root / key) if ready else _wait(root, key, nonce, stall_s, rank)
+    if cache is None:
+        cache = _build(corpus, tokenizer, root, key, nonce)
+    _restore_reports(corpus.transforms, cache.index)
+    return cache
+
+
+def _restore_reports(transforms: Sequence[DocumentTransform], index: dict) -> None:
+    """Give each transform that asks (`restore_report(report)`) the report its build stored, on every
+    rank, whether this run built the cache or reused one (so the transform need not have run)."""
+    stored = index.get("transform_reports", {})
+    for t in transforms:
+        restore = getattr(t, "restore_report", None)
+        if callable(restore):
+            restore(stored.get(t.fingerprint))
 
 
 def _reuse(path: Path) -> TokenCache | None:

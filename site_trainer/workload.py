@@ -57,6 +57,10 @@ class TaskContext:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     workdir: Path | None = None  # the site's own directory: caches (tokenized data), never shared
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("sovfl.task"))
+    # Text tasks (`Task.reads_text`) on a site: what the framework runs on every raw document before
+    # tokenization, in order (the site's PII scrubber from `sites[].pii`). Pass them first to
+    # `text_data.Corpus(files, transforms=[*ctx.document_transforms, *yours])`. Empty elsewhere.
+    document_transforms: tuple = ()
 
 
 class Dataset(ABC):
@@ -115,6 +119,12 @@ class Task(ABC):
     """
 
     Options: ClassVar[type[BaseModel]] = NoOptions
+    # A task whose data is site text declares it: the framework then builds the site's PII scrubber
+    # (`sites[].pii`, on by default) and hands it over as `ctx.document_transforms`, which the task
+    # must run through `site_trainer.text_data.prepare` before its own transforms; the site trainer
+    # refuses to start if the scrubber never ran. `sovfl scrub` finds the files with `text_files`.
+    # Other tasks (the default) never load the scrubber.
+    reads_text: ClassVar[bool] = False
 
     def __init__(self, options: BaseModel, ctx: TaskContext):
         self.options = options
@@ -141,6 +151,13 @@ class Task(ABC):
         """The mean loss of one micro-batch (a scalar tensor the framework calls backward on)."""
 
     # ---- optional ------------------------------------------------------------------------
+    @classmethod
+    def text_files(cls, options: BaseModel, ctx: TaskContext) -> list[tuple[Path, str | None]]:
+        """Text tasks: the site's raw files as (path, "train" | "val" | None), from validated options
+        and the site's context (no model is loaded). `sovfl scrub` scrubs exactly these."""
+        raise NotImplementedError(f"{cls.__name__} reads text but does not say where: define the classmethod "
+                                  "text_files(options, ctx)")
+
     def evaluate(self, model: nn.Module, batch: Batch) -> dict[str, torch.Tensor | float]:
         """Sums over one validation batch; the framework adds them over batches and ranks.
 

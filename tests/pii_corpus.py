@@ -282,3 +282,49 @@ def table(scores: dict[str, Score], title: str = "") -> str:
         s = scores[ent]
         lines.append(f"{ent:16s} {s.tp + s.fn:6d} {s.ok + s.fp:6d} {s.recall:7.4f} {s.precision:9.4f}")
     return "\n".join(lines)
+
+
+# ---- a site's raw files with known PII strings (the text data path's tests and its e2e run) -----
+SEEDED_PII: dict[str, dict[str, tuple[str, ...]]] = {
+    "paris": {"EMAIL_ADDRESS": ("jeanne.martin@banque-exemple.fr", "p.dubois@credit-lyonnais-test.fr"),
+              "IBAN_CODE": ("FR76 3000 6000 0112 3456 7890 189",),
+              "CREDIT_CARD": ("4111 1111 1111 1111",),
+              "PHONE_NUMBER": ("+33 1 42 68 53 00",)},
+    "berlin": {"EMAIL_ADDRESS": ("k.schmidt@beispiel-bank.de",),
+               "IBAN_CODE": ("DE89 3704 0044 0532 0130 00",),
+               "CREDIT_CARD": ("5555-5555-5555-4444",),
+               "PHONE_NUMBER": ("030 901820",)},
+}
+_FILLER = ("The quarterly review of the lending desk went well and the committee agreed on the new terms. "
+           "Customers asked about fees, opening hours and the mobile application. "
+           "Le conseil a validé le rapport annuel et la direction remercie les équipes. "
+           "Die Filiale bleibt im August geschlossen, die Beratung findet online statt. ")
+
+
+def leak_forms(value: str) -> set[str]:
+    """How a seeded value could appear in decoded text: as written, and without spaces or hyphens."""
+    return {value, value.replace(" ", "").replace("-", "")}
+
+
+def write_seeded_site(root: Path, site: str, filler_repeats: int = 6) -> dict[str, int]:
+    """`root/site/letters.txt` and `root/site/notes.jsonl`: prose (no digits, nothing personal) with
+    each of the site's `SEEDED_PII` values once in the .txt file and once, digits run together, in a
+    .jsonl document. Returns the true count per entity type."""
+    import json
+
+    d = root / site
+    d.mkdir(parents=True, exist_ok=True)
+    values = [(ent, v) for ent, vs in SEEDED_PII[site].items() for v in vs]
+    letters = [_FILLER * filler_repeats]
+    for ent, v in values:
+        letters.append(f"Pour le dossier {ent.lower()}, voir {v} ci-dessous.\n\n{_FILLER * filler_repeats}")
+    (d / "letters.txt").write_text("\n\n".join(letters), encoding="utf-8")
+    with (d / "notes.jsonl").open("w", encoding="utf-8") as f:
+        for i, (ent, v) in enumerate(values):
+            compact = v if ent in ("EMAIL_ADDRESS", "PHONE_NUMBER") else v.replace(" ", "").replace("-", "")
+            f.write(json.dumps({"text": f"{_FILLER * 3}Note {chr(65 + i)}: contact {compact} today. {_FILLER}"},
+                               ensure_ascii=False) + "\n")
+    counts: dict[str, int] = {}
+    for ent, _ in values:
+        counts[ent] = counts.get(ent, 0) + 2
+    return counts

@@ -35,6 +35,7 @@ from flwr.app import Message, RecordDict
 from federation.protocol import message_keys as keys
 from federation.protocol.codecs import Arrays
 from federation.protocol.pipeline import RoundContext
+from site_trainer.pii.transform import counts_from_metrics
 
 S = TypeVar("S")
 O = TypeVar("O", covariant=True)
@@ -193,4 +194,7 @@ def site_metrics(reply: Reply) -> dict:
     for key in ("upload_bytes", "dense_bytes", "encode_s", "state_arrays_in", "train_call_s", "evaluate_call_s"):
         if key in m:
             out[key] = m[key]
+    pii = counts_from_metrics(m)  # the site's PII findings per entity type: counts only
+    if pii:
+        out["pii"] = pii
     return out

@@ -10,9 +10,7 @@ from pathlib import Path
 
 from crypto.pki import CoordinatorBundle, provision
 from federation.config.schema import ConfigError, load_config
-from federation.ops import launcher
-from federation.ops.report_cmd import register as register_report
-from federation.ops.report_cmd import report_after_run
+from federation.ops import launcher, report_cmd, scrub_cmd
 from site_trainer.launch import RendezvousUnreachable, check_node_rank, wait_for_rendezvous
 
 
@@ -36,7 +34,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
               f"(logs: {result['workdir']}/logs)", file=sys.stderr)
         return 1
     print(f"checkpoints and metrics in {result['workdir']}")
-    print(report_after_run(result["workdir"]))
+    print(report_cmd.report_after_run(result["workdir"]))
     print(launcher.result_line(result))
     return 0
 
@@ -186,7 +184,7 @@ def _command(sub, name: str, help: str, fn, workdir_help: str) -> argparse.Argum
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The `sovfl` argument parser (validate, simulate, provision, coordinator, site)."""
+    """The `sovfl` argument parser (validate, simulate, provision, coordinator, site, scrub)."""
     p = argparse.ArgumentParser(prog="sovfl", description="Federated learning for sovereign clouds.")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -225,7 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--rdzv-timeout", type=float,
                    help="nodes >= 1: seconds to wait for node 0's rendezvous endpoint and for the nodes to "
                         "join (default: deadlines.trainer_start_s)")
-    register_report(sub)
+    scrub_cmd.add_parser(sub)
+    report_cmd.register(sub)
     return p
 
 

@@ -132,6 +132,7 @@ class CausalLM(Task):
     """Fine-tune a local Hugging Face causal LM on site text (see the module docstring)."""
 
     Options = Options
+    reads_text = True  # the framework gives the site's PII scrubber as ctx.document_transforms
 
     def __init__(self, options: Options, ctx: TaskContext):
         super().__init__(options, ctx)
@@ -148,7 +149,7 @@ class CausalLM(Task):
         self.transforms: list[text_data.DocumentTransform] = []
         self.token_cache: text_data.TokenCache | None = None  # after build_data: its index holds the counts
         if ctx.role == "site":
-            self.files = self._site_files()
+            self.files = self.text_files(options, ctx)
             self.transforms = self.document_transforms()
 
     # ---- model ---------------------------------------------------------------------------
@@ -221,12 +222,14 @@ class CausalLM(Task):
                                f"{', '.join(linear)}, or 'all-linear'") from None
 
     # ---- data ----------------------------------------------------------------------------
-    def _site_files(self) -> list[tuple[Path, str | None]]:
-        o = self.options
+    @classmethod
+    def text_files(cls, options: Options, ctx: TaskContext) -> list[tuple[Path, str | None]]:
+        """The site's files: `data` (and `val_data`) with {site} and {partition} replaced, each with
+        its split ("train"/"val", or None: chosen per document by val_fraction)."""
+        o = options
 
         def expand(patterns: list[str]) -> list[str]:
-            return [p.replace("{site}", str(self.ctx.site)).replace("{partition}", str(self.ctx.partition))
-                    for p in patterns]
+            return [p.replace("{site}", str(ctx.site)).replace("{partition}", str(ctx.partition)) for p in patterns]
 
         try:
             train = text_data.find_files(expand(o.data), "data")
@@ -244,7 +247,7 @@ class CausalLM(Task):
     def document_transforms(self) -> list[text_data.DocumentTransform]:
         """The transforms run on each document before tokenization, in order: those the framework
         gives this site (its PII scrubber, `TaskContext.document_transforms`), then `options.transforms`."""
-        found = list(getattr(self.ctx, "document_transforms", None) or ())
+        found = list(self.ctx.document_transforms)
         for i, path in enumerate(self.options.transforms):
             found.append(_load_transform(path, f"transforms[{i}]"))
         return found
