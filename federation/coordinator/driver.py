@@ -285,7 +285,9 @@ class Coordinator:
                 traffic.stages.append(stage_timing(ex.stage, result, time.monotonic() - t0))
             t0 = time.monotonic()
             out = strategy.finish(state)
-            traffic.stages.append({"stage": "finish", "seconds": round(time.monotonic() - t0, 4)})
+            took = round(time.monotonic() - t0, 4)  # the strategy's own work (decode, unmask): aggregation
+            traffic.stages.append({"stage": "finish", "seconds": took, "push_s": 0.0, "wait_s": 0.0, "receive_s": 0.0,
+                                   "aggregate_s": took, "replies": 0, "slowest_reply_s": 0.0})
             return out, traffic
         except strategy.aborts as err:
             return strategy.abort(state, err), traffic
