@@ -53,6 +53,7 @@ os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
 from crypto.pki import CoordinatorBundle, SiteBundle, provision  # noqa: E402
 from crypto.secagg import ChunkManifest, SecAggClient, SecAggConfig, SecAggServer, new_context  # noqa: E402
+from crypto.secagg.simulation import make_plan  # noqa: E402
 from crypto.secagg.signing import sign, verify  # noqa: E402
 
 CLIP = 8.0  # Flower's default clipping_range
@@ -201,19 +202,15 @@ class OursRun:
             chunk_bytes=int(chunk_mib * (1 << 20)) // 16 * 16,
         )
         self.ctx = new_context("bench", 1)
-        self.clients = {i: SecAggClient(self.cfg, self.ctx, i) for i in ids}
-        srv = SecAggServer(self.cfg, self.ctx, vector_len=p, sampled=ids)
+        plan, channel = make_plan(self.cfg, self.ctx, ids)  # channel keys: provisioned in a deployment
+        srv = SecAggServer(self.cfg, plan, vector_len=p)
         self.msg_bytes = 0
-        for i in ids:
-            m = self.clients[i].advertise_keys()
-            self.msg_bytes += len(m)
-            srv.receive_advert(i, m)
-        srv.close_advertise()
-        for i in ids:
-            m = self.clients[i].share_keys(srv.share_keys_request(i))
-            self.msg_bytes += len(m)
-            srv.receive_share_keys(i, m)
-        srv.close_share_keys()
+        self.clients = {}
+        for i in ids:  # setup: Bonawitz et al.'s stages 1 and 2 in one message (crypto/secagg/README.md)
+            self.clients[i], m = SecAggClient.setup(self.cfg, plan, i, channel[i])
+            self.msg_bytes += len(m) + len(self.clients[i].advert())
+            srv.receive_setup(i, m)
+        srv.close_setup(weight_bound=MAX_WEIGHT)
         self.server_after_stage2 = srv
         self.requests = {i: srv.masked_input_request(i) for i in ids}
         self.before_masking = {i: self.clients[i].to_state() for i in ids}
@@ -239,7 +236,7 @@ class OursRun:
         def manifest() -> bytes:
             m = ChunkManifest()
             for off, b in chunks:
-                m.add(off, np.frombuffer(b, dtype=np.uint32))
+                m.add(off, len(b) // 4, b)  # 32-bit ring: the packed bytes are the words
             return m.encode()
 
         t = time.perf_counter()

@@ -89,17 +89,17 @@ def assert_weighted_mean_rounds(run: Path, sites: set[str], ranks: int, rounds: 
     return lines
 
 
-def secagg_to_stage3(cfg, ids: list[int], length: int, run: str = "run", rnd: int = 1):
-    """SecAgg clients and server after key advertisement and sharing: ready for masked input."""
+def secagg_to_stage3(cfg, ids: list[int], length: int, run: str = "run", rnd: int = 1, weight_bound: int = 1):
+    """SecAgg clients and server after every client's setup: ready for masked input."""
     from crypto.secagg import SecAggClient, SecAggServer, new_context
+    from crypto.secagg.simulation import make_plan
 
     ctx = new_context(run, rnd)
-    clients = {i: SecAggClient(cfg, ctx, i) for i in ids}
-    srv = SecAggServer(cfg, ctx, vector_len=length, sampled=ids)
+    plan, channel = make_plan(cfg, ctx, ids)
+    srv = SecAggServer(cfg, plan, vector_len=length)
+    clients = {}
     for i in ids:
-        srv.receive_advert(i, clients[i].advertise_keys())
-    srv.close_advertise()
-    for i in ids:
-        srv.receive_share_keys(i, clients[i].share_keys(srv.share_keys_request(i)))
-    srv.close_share_keys()
+        clients[i], setup = SecAggClient.setup(cfg, plan, i, channel[i])
+        srv.receive_setup(i, setup)
+    srv.close_setup(weight_bound=weight_bound)
     return ctx, clients, srv

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import live_marked, sovfl, write_config
+from test_report_cmd import check_report
 from federation.site.codec_mod import encode_update
 from federation.protocol.update_codec import CodecStage, round_seed
 from federation.protocol.codecs import UpdateSpec
@@ -75,16 +76,29 @@ def test_federation_with_topk_uplink_and_int8_downlink(tmp_path, marker):
     # the residual came back from the site store in round 2 (error feedback across rounds)
     assert [s["state_arrays_in"] for s in lines[0]["sites"].values()] == [0, 0]
     assert all(s["state_arrays_in"] > 0 for s in lines[1]["sites"].values())
-    # downlink: round 1 trains on the full model and evaluates an int8 step; round 2 trains on the
-    # model the sites already hold (nothing sent) and evaluates the next step
+    # downlink: round 1 evaluates and trains on the full model; round 2 on an int8 step from it, and
+    # the final evaluation gets the next step (each model travels once)
     dense = lines[0]["sites"]["a"]["dense_bytes"]
-    r1, r2 = (line["downlink"] for line in lines)
-    assert r1["modes"] == {"full": 2, "steps": 2} and r2["modes"] == {"hold": 2, "steps": 2}
-    assert lines[0]["bytes_down"] >= 2 * dense and lines[1]["bytes_down"] == 0  # train stage
-    assert all(b * 3 < dense for b in r2["bytes"].values()) and r2["ratio"] > 6  # vs 2 dense messages
+    r1, r2, fin = lines[0]["downlink"], lines[1]["downlink"], lines[1]["final_eval_downlink"]
+    assert r1["modes"] == {"full": 2} and r2["modes"] == {"steps": 2} and fin["modes"] == {"steps": 2}
+    assert lines[0]["bytes_down"] >= 2 * dense and lines[1]["bytes_down"] * 3 < 2 * dense  # train stage
+    assert all(b * 3 < dense for b in r2["bytes"].values()) and r2["ratio"] > 3  # vs 1 dense message
+    assert all(b * 3 < dense for b in fin["bytes"].values()) and fin["ratio"] > 3
     refs = [json.loads((run / "sites" / s / "downlink" / "reference.json").read_text()) for s in ("a", "b")]
     assert refs[0]["digest"] == refs[1]["digest"]
     # the model trains: the sites' evaluation of the model they rebuilt improves round over round
-    assert lines[1]["eval_loss"] < lines[0]["eval_loss"] - 0.05
-    assert lines[1]["eval_accuracy"] > 0.2  # twice chance after two short rounds
+    # (each round evaluates the model it received: the one the previous round made)
+    assert [x["eval_model_round"] for x in lines] == [0, 1]
+    assert lines[1]["final_eval_loss"] < lines[1]["eval_loss"] - 0.05
+    assert lines[1]["eval_loss"] < lines[0]["eval_loss"]
+    assert lines[1]["final_eval_accuracy"] > 0.2  # twice chance after two short rounds
+    # per-stage timing in every line, and the run's report with every figure drawn from data
+    for line in lines:
+        t = line["timing"]
+        assert t["site_work_s"] > 0 and t["round_s"] == pytest.approx(line["round_s"], abs=1e-3)
+        exchanges = [s for s in t["stages"] if s["stage"] != "finish"]
+        assert exchanges and all(s["push_s"] >= 0 and s["replies"] == 2 for s in exchanges)
+        assert "checkpoint_s" in t and "optimizer_s" in t
+    assert f"report: {run / 'report.html'}" in proc.stdout
+    check_report(run / "report.html", figures=4)
     assert live_marked(marker) == []

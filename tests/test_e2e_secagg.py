@@ -3,10 +3,12 @@
 One run of four sites (one rank each, digits; complete graph, threshold t = 3 of the 4 shares of
 each secret, so one site may vanish per round) covers every case of the issue, round by round:
   1  b, c vanish after their masked inputs  -> fewer than t shares: clean abort, global model unchanged
-  2  a vanishes after advertising keys      -> the next round works: the exact sum of b, c, d
-  3  b vanishes after sharing keys          -> the exact sum of a, c, d (b's masks removed)
+  2  a never sets round 2 up                -> the next round works: the exact sum of b, c, d
+  3  b vanishes after its setup             -> the exact sum of a, c, d (b's masks removed)
   4  c vanishes after its masked input      -> the exact sum of all four (c's seed rebuilt from
                                                its neighbours' shares)
+Each site handles two messages per round (train, unmask), plus discovery and, for a site that sat a
+round out or whose train message failed, one query carrying its next setup.
 Sites dump their encoded ring vectors (test-only node config `secagg-dump-dir`) and their plaintext
 updates (`dump_updates`), so the test checks that the unmasked ring sum is exactly the sum of the
 contributors' encoded inputs, and that the decoded average is within the quantization bound of the
@@ -39,8 +41,8 @@ pytestmark = pytest.mark.e2e
 
 SITES = ["a", "b", "c", "d"]
 FAULTS = {
-    "a": "round=2,after=advertise",
-    "b": "round=1,after=masked;round=3,after=share",
+    "a": "round=2,before=setup",
+    "b": "round=1,after=masked;round=3,after=setup",
     "c": "round=1,after=masked;round=4,after=masked",
     "d": "",
 }
@@ -96,13 +98,14 @@ def test_secagg_exact_sums_dropouts_at_each_stage_abort_and_recovery(tmp_path, m
         assert set(line["sites"]) == set(contributors)
         # the unmasked ring sum is exactly the sum of the contributors' encoded inputs
         ring = sum(np.load(dumps / s / f"round_{rnd:04d}.npy").astype(np.uint64) for s in contributors)
-        ring = (ring % 2**32).astype(np.uint32)
+        ring = (ring % 2 ** info["bits"]).astype(np.uint32)
         assert hashlib.sha256(ring.tobytes()).hexdigest() == info["ring_sum_sha256"], f"round {rnd}"
         weights = {s: line["sites"][s]["weight"] for s in contributors}
         assert int(ring[-1]) == sum(weights.values()) == info["weight_total"]
         assert all(w == line["sites"][s]["samples"] for s, w in weights.items())  # below max_weight: unscaled
         # the decoded average is within the stated bound of the plaintext (clipped) weighted average
-        codec = FixedPointCodec.for_round(CLIP, 32, 1000, info["roster"])
+        codec = FixedPointCodec(CLIP, info["bits"], info["levels"], info["weight_bound"])
+        assert info["bits"] == 32 and info["weight_bound"] == max(weights.values())
         decoded = codec.decode(ring).astype(np.float64)
         plain = sum(np.clip(_flat(run / "sites" / s / "updates" / f"round_{rnd:04d}.npz"), -CLIP, CLIP) * w
                     for s, w in weights.items()) / sum(weights.values())
@@ -120,17 +123,20 @@ def test_secagg_exact_sums_dropouts_at_each_stage_abort_and_recovery(tmp_path, m
     assert "aborted in stage 4 (unmask)" in r1["secagg"]["aborted"] and r1["sites"] == {}
     assert not (run / "checkpoints" / "round_0001.npz").exists()
     assert "secure aggregation aborted" in log and "the global model is unchanged" in log
-    # a vanished after advertising keys: the sum of the other three, no mask of a's in it
+    # a never set round 2 up: the sum of the other three, no mask of a's in it
     assert r2["secagg"]["contributors"] == ["b", "c", "d"] and r2["secagg"]["dropped"] == []
-    assert "after stage 'advertise'" in r2["failed"]["a"]
-    # b vanished after sharing keys: the survivors' sum, b's pairwise masks removed
+    assert "no setup for round 2" in r2["failed"]["a"] and "before stage 'setup'" in r2["failed"]["a"]
+    # b vanished after its setup: the survivors' sum, b's pairwise masks removed
     assert r3["secagg"]["contributors"] == ["a", "c", "d"] and r3["secagg"]["dropped"] == ["b"]
-    assert "after stage 'share'" in r3["failed"]["b"]
+    assert "after stage 'setup'" in r3["failed"]["b"]
     # c vanished after sending its masked input: it is still in the sum of all four
     assert r4["secagg"]["contributors"] == SITES and "after stage 'masked'" in r4["secagg"]["unmask_missing"]["c"]
-    # the masked upload is 4 bytes per parameter (+ the weight word and array headers)
+    # the masked upload is 4 bytes per parameter in a 32-bit ring (+ the weight word)
     p = _model_flat(previous).shape[0]
-    assert all(4 * (p + 1) <= s["upload_bytes"] <= 4 * (p + 1) + 4096 for s in r4["sites"].values())
+    assert all(s["upload_bytes"] == 4 * (p + 1) for s in r4["sites"].values())
+    # two messages per site and round; a sat round 2 out and b failed its train message of round 3:
+    # each got its next setup in a query of its own (round 1's rode on discovery)
+    assert r4["messages"] == {"a": 1 + 2 * 3 + 1, "b": 1 + 2 * 3 + 1 + 1, "c": 1 + 2 * 4, "d": 1 + 2 * 4}
     # the wire audit: what TLS would hide shows no update, masked or not
     for rnd, line in enumerate(lines, start=1):
         for site in line["secagg"].get("contributors", []):

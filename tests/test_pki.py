@@ -57,7 +57,7 @@ def test_layout_and_manifests(fed: Path) -> None:
 
 def test_private_keys_mode_0600(fed: Path) -> None:
     keys = list(fed.rglob("*.key"))
-    assert len(keys) == 1 + 3 + 3 * len(SITES)
+    assert len(keys) == 1 + 3 + 4 * len(SITES)  # sites: TLS, SuperNode auth, signing, SecAgg channel
     for p in keys:
         assert stat.S_IMODE(p.stat().st_mode) == 0o600, p
     for p in fed.rglob("*.crt"):

@@ -1,4 +1,4 @@
-"""The four stages end to end, in process: exactness, dropouts at every stage, aborts."""
+"""The steps end to end, in process: exactness, dropouts at every stage, aborts."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from crypto.secagg import (
     SecAggConfig,
     new_context,
 )
-from crypto.secagg.simulation import ADVERTISE, MASKED_INPUT, SHARE_KEYS, run_round
+from crypto.secagg.simulation import MASKED_INPUT, SETUP, run_round
 
 P = 203  # not a multiple of the chunk: exercises the ragged last chunk and the weight word
 
@@ -62,8 +62,8 @@ def test_exact_sum_sparse_graph_with_client_state_persisted() -> None:
 
 @pytest.mark.parametrize(
     "stage, in_sum",
-    [(0, False), (ADVERTISE, False), (SHARE_KEYS, False), (MASKED_INPUT, True)],
-    ids=["never-answers", "after-advertise", "after-share-keys", "after-masked-input"],
+    [(0, False), (SETUP, False), (MASKED_INPUT, True)],
+    ids=["never-sends-its-setup", "after-setup", "after-masked-input"],
 )
 def test_one_dropout_at_each_stage(stage: int, in_sum: bool) -> None:
     ids = list(range(1, 9))
@@ -72,14 +72,14 @@ def test_one_dropout_at_each_stage(stage: int, in_sum: bool) -> None:
     sim = run_round(cfg, new_context("r", 1), xs, ws, drop_after={5: stage}, seeds=SEEDS)
     contributors = ids if in_sum else [i for i in ids if i != 5]
     _check(sim, xs, ws, contributors, 1.0)
-    assert sim.result.dropped == ([] if stage in (0, ADVERTISE) else ([] if in_sum else [5]))
+    assert sim.result.dropped == ([] if stage == 0 else ([] if in_sum else [5]))
 
 
 def test_several_dropouts_up_to_n_minus_t() -> None:
     ids = list(range(1, 7))  # complete graph, 6 shares, t = 3: three clients may drop
     xs, ws = _inputs(ids, 3)
     cfg = SecAggConfig(threshold=3, neighbours="auto", clip=1.0, chunk_bytes=64)
-    sim = run_round(cfg, new_context("r", 2), xs, ws, drop_after={1: ADVERTISE, 2: SHARE_KEYS, 3: MASKED_INPUT}, seeds=SEEDS)
+    sim = run_round(cfg, new_context("r", 2), xs, ws, drop_after={1: 0, 2: SETUP, 3: MASKED_INPUT}, seeds=SEEDS)
     _check(sim, xs, ws, [3, 4, 5, 6], 1.0)
     assert sim.result.dropped == [2]
 
@@ -87,9 +87,8 @@ def test_several_dropouts_up_to_n_minus_t() -> None:
 @pytest.mark.parametrize(
     "drops, where",
     [
-        ({1: 0, 2: 0, 3: 0, 4: 0}, "stage 1"),
-        ({1: ADVERTISE, 2: ADVERTISE, 3: ADVERTISE, 4: ADVERTISE}, "stage 2"),
-        ({1: SHARE_KEYS, 2: SHARE_KEYS, 3: SHARE_KEYS, 4: SHARE_KEYS}, "stage 3"),
+        ({1: 0, 2: 0, 3: 0, 4: 0}, "stage 2"),
+        ({1: SETUP, 2: SETUP, 3: SETUP, 4: SETUP}, "stage 3"),
         ({1: MASKED_INPUT, 2: MASKED_INPUT, 3: MASKED_INPUT, 4: MASKED_INPUT}, "unmask"),
     ],
 )
@@ -134,7 +133,7 @@ def test_server_prunes_a_client_whose_share_holders_vanished() -> None:
 
     victim = 1
     nbrs = sorted(neighbour_graph(ids, 4, ctx.graph_seed)[victim])
-    drops = {v: ADVERTISE for v in nbrs[:3]}  # 1 live neighbour + itself = 2 < t = 3
+    drops = {v: 0 for v in nbrs[:3]}  # 1 live neighbour + itself = 2 < t = 3
     sim = run_round(cfg, ctx, xs, ws, drop_after=drops, seeds=SEEDS)
     assert victim not in sim.server.live
     # pruning may cascade to clients that shared the dropped neighbours; the rest is exact

@@ -149,3 +149,56 @@ def test_codec_rejects_what_cannot_work() -> None:
         codec.encode(np.zeros(3, np.float32), 1.5, np.random.default_rng())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="NaN"):
         codec.encode(np.array([np.nan], np.float32), 1, np.random.default_rng())
+
+
+@settings(max_examples=80, deadline=None)
+@given(bits=bits_st, data=st.data())
+def test_words_pack_at_the_ring_width_and_unpack_exactly(bits: int, data: st.DataObject) -> None:
+    vals = data.draw(st.lists(st.integers(0, (1 << bits) - 1), min_size=0, max_size=70))
+    w = np.array(vals, np.uint32)
+    packed = ring.pack_words(w, bits)
+    assert packed.dtype == np.uint8 and packed.shape[0] == (len(vals) * bits + 7) // 8  # b bits per value
+    assert ring.unpack_words(packed, bits, len(vals)).tolist() == vals
+    if len(vals) * bits % 8:  # a set padding bit is refused: one word vector, one encoding
+        bad = packed.copy()
+        bad[-1] |= np.uint8(0x80)
+        with pytest.raises(ValueError, match="padding"):
+            ring.unpack_words(bad, bits, len(vals))
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 12), w=st.integers(1, 5000), levels=st.sampled_from([2, 14, 254, 65534]),
+       clip=st.sampled_from([0.01, 0.5, 3.0]))
+def test_the_auto_ring_is_the_narrowest_whose_sum_cannot_wrap(n: int, w: int, levels: int, clip: float) -> None:
+    """bits unset: the round's ring comes from the codec's levels, the largest weight and the
+    number of sites; n sites at the extreme (every value at the top level, weight W) sum to
+    n * W * L < 2^b, and one bit less could wrap (unless at the 8-bit floor)."""
+    from crypto.secagg import SecAggConfig
+
+    try:
+        codec = SecAggConfig(clip=clip, max_weight=5000).codec(n, w, levels)
+    except SecAggConfigError:
+        assert (n * w * levels).bit_length() > ring.MAX_BITS  # refused only when no ring is wide enough
+        return
+    top = n * w * levels
+    assert top < 1 << codec.bits and codec.levels == levels and codec.max_weight == w
+    assert codec.bits == ring.MIN_BITS or top >= 1 << (codec.bits - 1)
+    x = np.array([clip, -clip, clip, 0.0], np.float32)
+    enc = [codec.encode(x, w, np.random.default_rng(i)) for i in range(n)]
+    total = np.sum(np.stack(enc).astype(np.uint64), axis=0)
+    assert int(total.max()) <= top < 1 << codec.bits  # the integer sum itself stays in the ring
+    assert np.allclose(codec.decode(total.astype(np.uint32)), [clip, -clip, clip, 0.0], atol=codec.error_bound(n, n * w))
+
+
+def test_extreme_inputs_through_a_masked_round_in_the_auto_ring_do_not_wrap() -> None:
+    """A real SecAgg+ round (masks, dropout) in the auto-chosen 18-bit ring, every site at +clip
+    with the largest weight: the unmasked sum decodes to +clip exactly, not to a wrapped value."""
+    from crypto.secagg import SecAggConfig, new_context
+    from crypto.secagg.simulation import run_round
+
+    cfg = SecAggConfig(threshold=3, neighbours="auto", clip=0.5, max_weight=200, chunk_bytes=64)
+    ids = [3, 8, 13, 21, 34]
+    updates = {i: np.full(37, 0.5, np.float32) for i in ids}
+    sim = run_round(cfg, new_context("wrap", 1), updates, {i: 200 for i in ids}, drop_after={13: 2}, value_levels=254)
+    assert sim.server.params.codec.bits == (5 * 200 * 254).bit_length() == 18
+    assert np.allclose(sim.result.decode(), 0.5, atol=1e-6)

@@ -63,15 +63,19 @@ def _stage3_request(cfg: SecAggConfig):  # type: ignore[no-untyped-def]
 CFG = SecAggConfig(threshold=2, clip=1.0, chunk_bytes=1024)
 
 
+def _envelope(ctx, request: bytes, me: int, src: int) -> bytes:  # type: ignore[no-untyped-def]
+    return next(x.envelope for x in wire.decode_masked_input_request(ctx, request, me)[1] if x.client == src)
+
+
 def _replace_envelope(ctx, request: bytes, me: int, src: int, new_env: bytes) -> bytes:  # type: ignore[no-untyped-def]
-    envs = wire.decode_masked_input_request(ctx, request, me)
-    envs[src] = new_env
-    return wire.encode_masked_input_request(ctx, me, envs)
+    spec, relayed = wire.decode_masked_input_request(ctx, request, me)
+    relayed = [wire.Relayed(x.client, x.s_pk, new_env) if x.client == src else x for x in relayed]
+    return wire.encode_masked_input_request(ctx, me, spec, relayed)
 
 
 def test_tampered_share_ciphertext_is_rejected() -> None:
     ctx, clients, _, req = _stage3_request(CFG)
-    env = bytearray(wire.decode_masked_input_request(ctx, req, 1)[2])
+    env = bytearray(_envelope(ctx, req, 1, 2))
     env[-20] ^= 0x01  # one bit of ciphertext
     with pytest.raises(TamperedMessageError, match="failed authentication"):
         clients[1].receive_shares(_replace_envelope(ctx, req, 1, 2, bytes(env)))
@@ -80,7 +84,7 @@ def test_tampered_share_ciphertext_is_rejected() -> None:
 def test_tampered_header_is_rejected() -> None:
     """Changing the addressed pair to match another slot still fails: the header is AEAD data."""
     ctx, clients, _, req = _stage3_request(CFG)
-    env = wire.decode_masked_input_request(ctx, req, 1)[3]
+    env = _envelope(ctx, req, 1, 3)
     hdr_len = len(wire._envelope_header(ctx, 3, 1))
     forged = wire._envelope_header(ctx, 2, 1) + env[hdr_len:]
     with pytest.raises(TamperedMessageError):
@@ -104,21 +108,28 @@ def test_replayed_share_envelope_is_rejected(other: str) -> None:
 
 
 def test_replayed_stage_messages_are_rejected() -> None:
+    from crypto.secagg.simulation import make_plan
+
     cfg = SecAggConfig(threshold=2, clip=1.0)
     old, new = new_context("run", 1), new_context("run", 2)
-    old_client = SecAggClient(cfg, old, 7)
-    srv = SecAggServer(cfg, new, vector_len=10)
+
+    def setup(ctx, me=7, members=(7, 8, 9)):  # type: ignore[no-untyped-def]
+        plan, channel = make_plan(cfg, ctx, list(members))
+        return SecAggClient.setup(cfg, plan, me, channel[me])[1]
+
+    srv = SecAggServer(cfg, make_plan(cfg, new, [7, 8, 9])[0], vector_len=10)
     with pytest.raises(ReplayedMessageError, match="round 1"):
-        srv.receive_advert(7, old_client.advertise_keys())
-    other_run = SecAggClient(cfg, new_context("elsewhere", 2), 7)
+        srv.receive_setup(7, setup(old))
     with pytest.raises(ReplayedMessageError, match="elsewhere"):
-        srv.receive_advert(7, other_run.advertise_keys())
-    good = SecAggClient(cfg, new, 7).advertise_keys()
+        srv.receive_setup(7, setup(new_context("elsewhere", 2)))
+    good = setup(new)
     with pytest.raises(ReplayedMessageError):
-        srv.receive_advert(8, good)  # client 8 relaying client 7's message
-    srv.receive_advert(7, good)
+        srv.receive_setup(8, good)  # client 8 relaying client 7's message
+    with pytest.raises(ProtocolViolationError, match="envelopes to"):
+        srv.receive_setup(7, setup(new, members=(7, 8)))  # made for another plan of this round
+    srv.receive_setup(7, good)
     with pytest.raises(ProtocolViolationError):
-        srv.receive_advert(7, good)  # duplicate
+        srv.receive_setup(7, good)  # duplicate
 
 
 def test_a_client_never_reveals_both_secrets_of_a_neighbour() -> None:
@@ -171,13 +182,15 @@ def test_server_rejects_bad_chunks() -> None:
 
 
 @settings(max_examples=150, deadline=None)
-@given(data=st.binary(max_size=300), prefix=st.sampled_from([b"", b"SAG1\x01", b"SAG1\x03\x03run"]))
+@given(data=st.binary(max_size=300), prefix=st.sampled_from([b"", b"SAG2\x03", b"SAG2\x04\x03run"]))
 def test_hostile_bytes_only_raise_message_errors(data: bytes, prefix: bytes) -> None:
+    from crypto.secagg.simulation import make_plan
+
     cfg = SecAggConfig(threshold=2, clip=1.0)
-    srv = SecAggServer(cfg, new_context("run", 1), vector_len=4)
+    plan, channel = make_plan(cfg, new_context("run", 1), [1, 2, 3])
+    srv = SecAggServer(cfg, plan, vector_len=4)
     with pytest.raises(SecAggMessageError):
-        srv.receive_advert(1, prefix + data)
-    client = SecAggClient(cfg, new_context("run", 1), 1)
-    client.advertise_keys()
+        srv.receive_setup(1, prefix + data)
+    client, _ = SecAggClient.setup(cfg, plan, 1, channel[1])
     with pytest.raises(SecAggMessageError):
-        client.share_keys(prefix + data)
+        client.receive_shares(prefix + data)

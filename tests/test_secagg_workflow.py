@@ -1,9 +1,10 @@
 """The SecAgg+ round protocol, coordinator and site sides, without processes.
 
-A fake Grid hands each message, serialized and deserialized as on the wire, to the real site
-handlers (`federation.secagg_site`) with a per-node Context that goes through protobuf between
-messages (as a fresh ClientApp process would see it), and the real `Coordinator` drives rounds with
-`SecAggRound`. Sites' "training" returns a known update, so the exact sum can be checked.
+A fake Grid hands each message, serialized and deserialized as on the wire, to each site's real
+ClientApp with its mods (federation/ops/inprocess.py's InProcessSite: a Context that goes through
+protobuf between messages, as a fresh ClientApp process would see it), and the real `Coordinator`
+drives rounds with `SecAggRound`. Sites' "training" returns a known update, so the exact sum can be
+checked; a site can stay silent or have its replies tampered with, part by part.
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.common.serde import context_from_proto, context_to_proto, message_from_proto, message_to_proto
 from flwr.supercore.task_identity import TaskIdentity
 
 from crypto.pki import CoordinatorBundle
-from crypto.secagg import FixedPointCodec, SecAggConfig
+from crypto.secagg import FixedPointCodec, SecAggConfig, member_id, ring
+from crypto.secagg.simulation import make_plan
+from federation.ops.inprocess import FunctionTrainer, InProcessSite
 from federation.site import secagg_mod as secagg_site
 from federation.protocol.update_codec import CodecStage, round_seed
 from federation.protocol.codecs import UpdateSpec
@@ -30,10 +33,12 @@ from federation.protocol.pipeline import Payload, Pipeline, RoundContext
 from federation.coordinator.secagg_round import SecAggRound, round_weights
 from federation.protocol.message_keys import SECAGG as RECORD
 from federation.protocol.message_keys import SECAGG_CHUNKS as CHUNKS
-from federation.protocol.secagg_records import parse_chunks
+from federation.protocol.message_keys import SECAGG_SETUP as SETUP_RECORD
+from federation.protocol.secagg_records import parse_chunks, request_record
 
 RUN_ID = 4242
 SHAPES = {"w": (6, 5), "b": (5,), "z": (3,)}
+SETUP = 2  # the stage numbers a tamper hook sees: 2 setup, 3 masked input, 4 unmask
 
 
 @pytest.fixture(autouse=True)
@@ -51,54 +56,35 @@ def site_update(name: str, rnd: int) -> dict[str, np.ndarray]:
     return {k: (rng.normal(size=s) * 0.05).astype(np.float32) for k, s in SHAPES.items()}
 
 
-class FakeSite:
-    """One SuperNode + ClientApp: secagg handlers are the real ones."""
+def secagg_parts(msg: Message) -> list[tuple[int, int]]:
+    """(stage, round) of each SecAgg part of a message: its setup (2) first, then stage 3 or 4."""
+    recs = msg.content.config_records
+    return [(int(recs[k]["stage"]), int(recs[k]["round"])) for k in (SETUP_RECORD, RECORD) if k in recs]
 
-    def __init__(self, name: str, node_id: int, num_examples: int, node_config: dict | None = None):
-        self.name, self.node_id, self.num_examples = name, node_id, num_examples
-        self.context = context_to_proto(Context(run_id=RUN_ID, node_id=node_id, node_config=dict(node_config or {}),
-                                                state=RecordDict(), run_config={}))
+
+class FakeSite(InProcessSite):
+    """One SuperNode + the real ClientApp; its trainer returns `site_update(name, round)`. A site can
+    stay silent for a (round, stage) or have its reply tampered with (`tamper(stage, round, reply)`,
+    called for each SecAgg part of the message)."""
+
+    def __init__(self, name: str, node_id: int, num_examples: int, workdir: Path, node_config: dict | None = None):
+        trainer = FunctionTrainer(lambda glob, cfg: (site_update(name, cfg.round), {"loss": 1.0 / cfg.round,
+                                                                                    "train_s": 0.01}),
+                                  num_examples, workdir / name)
+        super().__init__(name, node_id, trainer, node_config, RUN_ID)
+        self.num_examples = num_examples
         self.silent: set[tuple[int, int]] = set()  # (round, stage) without any reply: vanished / hung
         self.tamper = None  # (stage, round, reply Message) -> reply Message
-        self.codec_state: dict = {}
 
     def handle(self, msg: Message) -> Message | None:
-        ctx = context_from_proto(self.context)  # a fresh ClientApp process: state as the SuperNode kept it
-        rec = msg.content.config_records.get(RECORD)
-        stage = int(rec["stage"]) if rec is not None else 0
-        rnd = int(rec["round"]) if rec is not None else 0
-        if (rnd, stage) in self.silent:
+        parts = secagg_parts(msg)
+        if any((rnd, stage) in self.silent for stage, rnd in parts):
             return None
-        try:
-            reply = self._run(msg, ctx)
-        except Exception as err:  # what Flower's run_clientapp does with an exception
-            reply = Message(Error(code=0, reason=f"{type(err)}:<'{err}'>"), reply_to=msg)
-        self.context = context_to_proto(ctx)
-        if self.tamper is not None and rec is not None:
-            reply = self.tamper(stage, rnd, reply)
+        reply = super().handle(msg)
+        if self.tamper is not None:
+            for stage, rnd in parts:
+                reply = self.tamper(stage, rnd, reply)
         return reply
-
-    def _run(self, msg: Message, ctx: Context) -> Message:
-        status = ConfigRecord({"site": self.name, "ok": True, "error": "", "num_examples": self.num_examples})
-        if msg.metadata.message_type == "query":
-            if RECORD in msg.content.config_records:
-                return secagg_site.on_query(msg, ctx, self.name)
-            return Message(RecordDict({"status": status}), reply_to=msg)
-        assert msg.metadata.message_type == "train"
-        cfg = msg.content.config_records["config"]
-        rnd = int(cfg["round"])
-        upd = site_update(self.name, rnd)
-        stages = []
-        if cfg["codec"] != "identity":
-            stage = CodecStage.from_spec(str(cfg["codec"]), bool(cfg["error_feedback"]), state=self.codec_state)
-            stages.append(stage)
-        payload = Pipeline(tuple(stages)).encode(Payload(upd),
-                                                 RoundContext(str(cfg["federation"]), RUN_ID, rnd, self.name,
-                                                              int(cfg["seed"])))
-        out = secagg_site.on_train(msg, ctx, self.name, payload, self.num_examples)
-        out["status"] = status
-        out["metrics"] = MetricRecord({"loss": 1.0 / rnd, "train_s": 0.01})
-        return Message(out, reply_to=msg)
 
 
 class FakeGrid:
@@ -148,7 +134,8 @@ def make(tmp_path: Path, n: int = 5, secagg: dict | None = None, codec: str = "i
         "sites": [{"id": s, "partition": i} for i, s in enumerate(names)],
     })
     examples = examples or [100 + 10 * i for i in range(n)]
-    sites = [FakeSite(s, (2**63 + 1000 + 17 * i), examples[i], (node_config or {}).get(s)) for i, s in enumerate(names)]
+    sites = [FakeSite(s, (2**63 + 1000 + 17 * i), examples[i], tmp_path / "sites", (node_config or {}).get(s))
+             for i, s in enumerate(names)]
     grid = FakeGrid(sites)
     initial = {k: np.zeros(s, dtype=np.float32) for k, s in SHAPES.items()}
     bundle = CoordinatorBundle.load(pki / "coordinator") if pki is not None else None
@@ -174,9 +161,9 @@ def check_exact(coord, line, rnd, dumps: Path, contributors):
     info = line["secagg"]
     assert info["contributors"] == sorted(contributors) and line["status"] == "aggregated"
     ring = sum(np.load(dumps / c / f"round_{rnd:04d}.npy").astype(np.uint64) for c in contributors)
-    ring = (ring % 2**32).astype(np.uint32)
+    ring = (ring % 2 ** info["bits"]).astype(np.uint32)
     assert hashlib.sha256(ring.tobytes()).hexdigest() == info["ring_sum_sha256"]
-    codec = FixedPointCodec.for_round(info["clip"], info["bits"], coord.fed.secagg.max_weight, info["roster"])
+    codec = FixedPointCodec(info["clip"], info["bits"], info["levels"], info["weight_bound"])
     decoded = codec.decode(ring)
     bound = codec.error_bound(len(contributors), int(ring[-1]))
     assert bound == pytest.approx(info["error_bound"])
@@ -196,7 +183,7 @@ def test_weights_keep_ratios_when_scaled():
 
 def test_rounds_with_dropouts_at_every_stage_then_abort_then_recovery(tmp_path):
     dumps = tmp_path / "dumps"
-    faults = {"a": "round=2,after=advertise", "b": "round=3,after=share", "c": "round=4,after=masked;round=5,after=masked",
+    faults = {"a": "round=2,before=setup", "b": "round=3,after=setup", "c": "round=4,after=masked;round=5,after=masked",
               "d": "round=5,after=masked", "e": "round=5,after=masked"}
     node_config = {s: {"secagg-dump-dir": str(dumps / s), **({"secagg-fault": f} if f else {})}
                    for s, f in faults.items()}
@@ -214,10 +201,11 @@ def test_rounds_with_dropouts_at_every_stage_then_abort_then_recovery(tmp_path):
             np.testing.assert_allclose(decoded, mean, atol=1e-7)
     everyone = list("abcde")
     assert lines[1]["secagg"]["contributors"] == everyone and not lines[1]["failed"]
-    # vanished after advertising keys: not in the sum, no mask of it is left
-    assert lines[2]["secagg"]["contributors"] == list("bcde") and "a" in lines[2]["failed"]
-    assert lines[2]["secagg"]["roster"] == 5 and lines[2]["secagg"]["dropped"] == []
-    # vanished after sharing keys: its pairwise masks were removed from the survivors' sum
+    # never set round 2 up: not in the sum, no mask of it is left; it is back in round 3
+    assert lines[2]["secagg"]["contributors"] == list("bcde") and "no setup for round 2" in lines[2]["failed"]["a"]
+    assert "test fault injected" in lines[2]["failed"]["a"]
+    assert lines[2]["secagg"]["roster"] == 5 and lines[2]["secagg"]["live"] == 4 and lines[2]["secagg"]["dropped"] == []
+    # vanished after its setup: its pairwise masks were removed from the survivors' sum
     assert lines[3]["secagg"]["contributors"] == list("acde") and lines[3]["secagg"]["dropped"] == ["b"]
     assert "test fault injected" in lines[3]["failed"]["b"]
     # vanished after sending its masked input: it is in the sum, its self mask rebuilt from shares
@@ -234,13 +222,20 @@ def test_rounds_with_dropouts_at_every_stage_then_abort_then_recovery(tmp_path):
     assert any(np.abs(coord.model[k] - model0[k]).max() > 0 for k in SHAPES)
     # the coordinator never held two masked vectors at once
     assert grid.max_pulled == 1
-    # sites forgot their round secrets after answering the unmask request (b: after round 6)
+    # sites forgot their round secrets after answering the unmask request (the last round: no next one set up)
     state = context_from_proto(grid.sites[min(grid.sites)].context).state.config_records[RECORD]
-    assert "client" not in state and state["last_round"] == 6
+    assert not [k for k in state if k[:1] in "rn" and k[1:].isdigit()] and state["last_masked"] == 6
+    assert state["last_setup"] == 6
+    # two messages per site and round (train, unmask); discovery, and the run's first setup in a
+    # prepare query (no bundle: channel keys come from discovery); a site that sat a round out or
+    # failed its train message got its next setup in a query of its own
+    sent = coord.messages_per_site()
+    assert sent["e"] == 2 + 2 * 6 and sent["a"] == 2 + 2 * 5 + 1 and sent["b"] == 2 + 2 * 5 + 1 + 1
 
 
-def test_masked_bytes_are_four_per_parameter_in_chunks(tmp_path):
-    coord, grid = make(tmp_path, n=4, secagg={"chunk_bytes": 64, "threshold": 2})
+@pytest.mark.parametrize("bits", [32, 16, 13])
+def test_masked_values_travel_packed_at_the_ring_width_in_chunks(tmp_path, bits):
+    coord, grid = make(tmp_path, n=4, secagg={"chunk_bytes": 64, "threshold": 2, "bits": bits, "max_weight": 100})
     seen = []
     site = next(iter(grid.sites.values()))
 
@@ -253,16 +248,25 @@ def test_masked_bytes_are_four_per_parameter_in_chunks(tmp_path):
     site.tamper = spy
     line = coord.train_round(1)
     p = sum(int(np.prod(s)) for s in SHAPES.values())
-    assert line["status"] == "aggregated"
-    assert len(seen) == -(-(p + 1) // 16) and all(d == "uint32" and len(s) == 1 for _, d, s in seen)
-    assert sum(s[0] for _, _, s in seen) == p + 1
-    assert line["sites"][site.name]["upload_bytes"] == 4 * (p + 1)
+    assert line["status"] == "aggregated" and line["secagg"]["bits"] == bits
+    words = coord.fed.secagg.chunk_words(bits)
+    assert len(seen) == -(-(p + 1) // words) and all(d == "uint8" and len(s) == 1 for _, d, s in seen)
+    assert sum(s[0] for _, _, s in seen) == sum(ring.packed_nbytes(min(words, p + 1 - o), bits)
+                                                for o in range(0, p + 1, words))
+    assert line["sites"][site.name]["upload_bytes"] == sum(s[0] for _, _, s in seen)
+    assert line["sites"][site.name]["upload_bytes"] <= (p + 1) * bits / 8 + len(seen)
 
 
 def _corrupt_chunks(reply):
     rec = reply.content.array_records[CHUNKS]
     key = sorted(rec)[0]
     rec[key] = Array(rec[key].numpy().astype(np.int64))
+    return reply
+
+
+def _setup_of_another_round(reply):
+    rec = reply.content.config_records[SETUP_RECORD]
+    rec["round"] = 99
     return reply
 
 
@@ -279,34 +283,34 @@ def _wrong_round(reply):
     return reply
 
 
-@pytest.mark.parametrize("stage,tamper,reason", [
-    (3, _corrupt_chunks, "secagg_malformed"),
-    (3, _drop_chunk, "secagg_malformed"),
-    (1, _wrong_round, "secagg_replayed"),
-    (2, _wrong_round, "secagg_replayed"),
+@pytest.mark.parametrize("stage,tamper,reason,where", [
+    (3, _corrupt_chunks, "secagg_malformed", "stage 3"),
+    (3, _drop_chunk, "secagg_malformed", "stage 3"),
+    (3, _wrong_round, "secagg_replayed", "stage 3"),
+    (SETUP, _setup_of_another_round, "secagg_replayed", "setup"),
 ])
-def test_hostile_site_is_rejected_counted_and_dropped(tmp_path, stage, tamper, reason):
+def test_hostile_site_is_rejected_counted_and_dropped(tmp_path, stage, tamper, reason, where):
     dumps = tmp_path / "dumps"
     coord, grid = make(tmp_path, node_config={s: {"secagg-dump-dir": str(dumps / s)} for s in "abcde"},
                        secagg={"chunk_bytes": 64})
     bad = next(s for s in grid.sites.values() if s.name == "b")
-    bad.tamper = lambda st, rnd, reply: tamper(reply) if st == stage and not reply.has_error() else reply
+    bad.tamper = lambda st, rnd, reply: tamper(reply) if (st, rnd) == (stage, 1) and not reply.has_error() else reply
     line = coord.train_round(1)
     assert line["rejections"] == {reason: 1}
-    assert line["failed"]["b"].startswith(f"rejected {reason}")
+    assert line["failed"]["b"].startswith(f"rejected {reason}: {where}")
     check_exact(coord, line, 1, dumps, list("acde"))
 
 
-def test_replayed_advert_from_an_earlier_round_is_rejected(tmp_path):
+def test_replayed_setup_from_an_earlier_round_is_rejected(tmp_path):
     coord, grid = make(tmp_path, n=4, secagg={"threshold": 2})
     bad = next(s for s in grid.sites.values() if s.name == "a")
     kept = {}
 
     def replay(stage, rnd, reply):
-        if stage == 1 and rnd == 1:
-            kept["data"] = reply.content.config_records[RECORD]["data"]
-        elif stage == 1 and rnd == 2:
-            reply.content.config_records[RECORD]["data"] = kept["data"]
+        if stage == SETUP and rnd == 1:
+            kept["data"] = reply.content.config_records[SETUP_RECORD]["data"]
+        elif stage == SETUP and rnd == 2:
+            reply.content.config_records[SETUP_RECORD]["data"] = kept["data"]
         return reply
 
     bad.tamper = replay
@@ -314,17 +318,19 @@ def test_replayed_advert_from_an_earlier_round_is_rejected(tmp_path):
     line = coord.train_round(2)
     assert line["status"] == "aggregated" and line["secagg"]["contributors"] == ["b", "c", "d"]
     assert line["rejections"] == {"secagg_replayed": 1}
+    assert line["failed"]["a"].startswith("rejected secagg_replayed: setup")
 
 
 def test_silent_sites_hit_the_stage_deadline_and_too_few_abort_at_stage_2(tmp_path):
     coord, grid = make(tmp_path)
     for s in grid.sites.values():
         if s.name in "abc":
-            s.silent.add((1, 2))
+            s.silent.add((1, SETUP))
     line = coord.train_round(1)
     assert line["status"] == "skipped" and line["sites"] == {}
-    assert "aborted in stage 2 (share keys)" in line["secagg"]["aborted"]
-    assert all(line["failed"][s].startswith("stage 2 (share keys): deadline") for s in "abc")
+    assert "aborted in stage 2 (setup)" in line["secagg"]["aborted"]
+    assert all(line["failed"][s] == "secagg: no setup for round 1 (its setup did not arrive in time); it sits this "
+               "round out" for s in "abc")
     assert coord.train_round(2)["status"] == "aggregated"
 
 
@@ -374,38 +380,56 @@ def test_fedadam_gets_a_mean_update_like_plain_rounds(tmp_path):
 
 # ---- the site handlers on their own --------------------------------------------------------------
 
-def _query(stage: int, rnd: int, run: str = f"unit/{RUN_ID}", request: bytes = b"", node: int = 77) -> Message:
-    m = Message(RecordDict({RECORD: ConfigRecord({
-        "stage": stage, "round": rnd, "run": run, "graph_seed": b"\x01" * 32,
-        "config": SecAggConfig(threshold=2).model_dump_json(), "request": request})}),
-        dst_node_id=node, message_type="query", ttl=30)
+def _msg(records: dict, kind: str = "query", node: int = 77) -> Message:
+    m = Message(RecordDict(records), dst_node_id=node, message_type=kind, ttl=30)
     m.metadata.__dict__["_message_id"] = uuid.uuid4().hex
     return message_from_proto(message_to_proto(m))
 
 
-def _ctx(node: int = 77) -> Context:
-    return Context(run_id=RUN_ID, node_id=node, node_config={}, state=RecordDict(), run_config={})
+def _status(reply: Message) -> ConfigRecord:
+    assert not reply.has_error(), reply.error
+    return reply.content.config_records["status"]
 
 
-def test_site_refuses_out_of_order_replayed_and_foreign_requests():
-    ctx = _ctx()
-    r = secagg_site.on_query(_query(2, 1, request=b"x"), ctx, "a")
-    assert not r.content.config_records["status"]["ok"] and "no SecAgg state" in r.content.config_records["status"]["error"]
-    r = secagg_site.on_query(_query(1, 1), ctx, "a")
-    assert r.content.config_records["status"]["ok"]
-    assert len(r.content.config_records[RECORD]["data"]) > 64
-    ctx = context_from_proto(context_to_proto(ctx))  # the next ClientApp process
-    r = secagg_site.on_query(_query(1, 1), ctx, "a")  # keys are advertised once per round
-    assert "already started" in r.content.config_records["status"]["error"]
-    r = secagg_site.on_query(_query(1, 2, run="unit/999"), ctx, "a")  # another Flower run
-    assert "ReplayedMessageError" in r.content.config_records["status"]["error"]
-    r = secagg_site.on_query(_query(2, 2, request=b"x"), ctx, "a")  # state is for round 1
-    assert "ReplayedMessageError" in r.content.config_records["status"]["error"]
-    r = secagg_site.on_query(_query(3, 1), ctx, "a")
-    assert "train message" in r.content.config_records["status"]["error"]
-    bad = _query(1, 3)
-    bad.content.config_records[RECORD]["graph_seed"] = b"short"
-    assert "Malformed" in secagg_site.on_query(bad, ctx, "a").content.config_records["status"]["error"]
+def test_site_refuses_out_of_order_replayed_and_foreign_requests(tmp_path):
+    from crypto.secagg import RoundContext as Ctx, RoundPlan, wire
+    from crypto.secagg.keys import KeyPair
+
+    site = FakeSite("a", 77, 10, tmp_path)
+    pk = _status(site.handle(_msg({"discover": ConfigRecord({"secagg": True})})))["secagg_channel_pk"]
+    cfg = SecAggConfig(threshold=2)
+    others = [wire.PlanMember(member_id(n), n, KeyPair.generate().public) for n in "bc"]
+
+    def plan(rnd: int, me_pk: bytes = pk, members=None, run: str = f"unit/{RUN_ID}"):
+        ctx = Ctx(run, rnd, b"\x01" * 32)
+        ms = members if members is not None else [wire.PlanMember(member_id("a"), "a", me_pk), *others]
+        return ctx, RoundPlan.make(cfg, ctx, ms).encode()
+
+    def setup(rnd: int, **kw) -> ConfigRecord:
+        ctx, data = plan(rnd, **kw)
+        reply = site.handle(_msg({SETUP_RECORD: request_record(2, ctx, cfg.model_dump_json(), data)}))
+        assert _status(reply)["ok"]  # a setup that fails never fails the message
+        return reply.content.config_records[SETUP_RECORD]
+
+    def stage(n: int, rnd: int, kind: str = "query", request: bytes = b"x") -> Message:
+        ctx, _ = plan(rnd)
+        return site.handle(_msg({RECORD: request_record(n, ctx, cfg.model_dump_json(), request),
+                                 "config": ConfigRecord({"round": rnd})}, kind))
+
+    refused = stage(3, 1, "train")  # masked input before any setup: an error reply, the trainer never runs
+    assert refused.has_error() and "no SecAgg state" in refused.error.reason
+    first = setup(1)
+    assert "error" not in first and len(first["data"]) > 64 and len(first["advert"]) > 32
+    assert "already set up" in setup(1)["error"]  # a round's keys are drawn once, even if the reply got lost
+    assert "ReplayedMessageError" in setup(2, run="unit/999")["error"]  # another Flower run
+    assert "not a member" in setup(3, members=others + [wire.PlanMember(member_id("d"), "d", pk)])["error"]
+    assert "another channel key" in setup(3, me_pk=KeyPair.generate().public)["error"]
+    assert "no SecAgg state" in _status(stage(4, 2))["error"]  # state is for round 1
+    assert "train message" in _status(stage(3, 1))["error"]
+    ctx, data = plan(5)
+    bad = request_record(2, ctx, cfg.model_dump_json(), data)
+    bad["graph_seed"] = b"short"
+    assert "Malformed" in site.handle(_msg({SETUP_RECORD: bad})).content.config_records[SETUP_RECORD]["error"]
 
 
 def test_values_vector_is_the_codec_value_order():
@@ -418,13 +442,21 @@ def test_values_vector_is_the_codec_value_order():
 
 
 def test_parse_chunks_refuses_partial_or_overlapping_uploads():
-    def reply(chunks):
-        rd = RecordDict({CHUNKS: ArrayRecord({f"{o:012d}": Array(np.asarray(w, dtype=np.uint32)) for o, w in chunks})})
+    def reply(chunks, bits=32):
+        rd = RecordDict({CHUNKS: ArrayRecord({f"{o:012d}": Array(ring.pack_words(np.asarray(w, dtype=np.uint32), bits))
+                                              for o, w in chunks})})
         return Message(rd, dst_node_id=1, message_type="train")
 
-    assert [o for o, _ in parse_chunks(reply([(0, [1, 2]), (2, [3])]), 3, 32)] == [0, 2]
+    assert [c.offset for c in parse_chunks(reply([(0, [1, 2]), (2, [3])]), 3, 32)] == [0, 2]
+    got = parse_chunks(reply([(0, [1, 2, 3, 4, 5]), (5, [6])], 13), 6, 13)
+    assert np.concatenate([c.words for c in got]).tolist() == [1, 2, 3, 4, 5, 6]
     for chunks, length in (([(0, [1, 2])], 3), ([(0, [1, 2]), (1, [3, 4])], 3), ([(1, [1, 2])], 3)):
         with pytest.raises(Exception, match="cover|gap|overlap"):
             parse_chunks(reply(chunks), length, 32)
-    with pytest.raises(Exception, match="outside"):
-        parse_chunks(reply([(0, [1, 2**20])]), 2, 16)
+    with pytest.raises(Exception, match="cover"):  # 16-bit words where the ring has 13: padding bits set
+        parse_chunks(reply([(0, [1, 2**15])], 16), 2, 13)
+    padded = ring.pack_words(np.array([1, 2, 3], np.uint32), 13)
+    padded[-1] |= 0x80  # a bit past the last word
+    rd = RecordDict({CHUNKS: ArrayRecord({f"{0:012d}": Array(padded)})})
+    with pytest.raises(Exception, match="padding"):
+        parse_chunks(Message(rd, dst_node_id=1, message_type="train"), 3, 13)

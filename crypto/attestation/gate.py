@@ -34,9 +34,12 @@ class AttestationGate:
     def challenge(self, party: str, now: dt.datetime | None = None) -> Challenge:
         return self.nonces.issue(party, now)
 
-    def admit(self, party: str, evidence: Evidence, *, public_key: bytes, now: dt.datetime | None = None) -> AttestationResult:
+    def admit(self, party: str, evidence: Evidence, *, public_key: bytes, now: dt.datetime | None = None,
+              nonce_party: str | None = None) -> AttestationResult:
         """Admit ``party`` iff ``evidence`` answers a challenge issued to it, binds ``public_key``
-        (the key the relying party knows for it), verifies, and satisfies the policy."""
+        (the key the relying party knows for it), verifies, and satisfies the policy.
+        ``nonce_party``: the label the challenge was issued under, when it is not the party's name
+        (e.g. the transport address it was sent to, before the party said who it is)."""
         now = now or utcnow()
         try:
             if evidence.attester != party:
@@ -47,7 +50,7 @@ class AttestationGate:
                 nonce = unb64url(evidence.nonce)
             except ValueError as exc:
                 raise MalformedEvidence("evidence nonce is not base64url") from exc
-            self.nonces.consume(party, nonce, now)
+            self.nonces.consume(nonce_party or party, nonce, now)
             result = appraise(evidence, nonce=nonce, public_key=public_key, verifiers=self.verifiers,
                               policy=self.policy, now=now)
         except AttestationError as exc:

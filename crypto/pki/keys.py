@@ -87,6 +87,11 @@ def new_sealing_key() -> x25519.X25519PrivateKey:
     return x25519.X25519PrivateKey.generate()
 
 
+def new_channel_key() -> x25519.X25519PrivateKey:
+    """A site's long-term SecAgg+ channel key (X25519): seals the Shamir shares it sends its neighbours."""
+    return x25519.X25519PrivateKey.generate()
+
+
 # -- encodings ---------------------------------------------------------------------------------
 
 

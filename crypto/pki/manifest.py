@@ -44,9 +44,15 @@ class SiteRecord(_Model):
     supernode_auth_openssh: str  # for `flwr supernode register`
     supernode_auth_fingerprint: str
     issued_at: str
+    # base64 raw X25519 public key: the long-term key SecAgg+ share envelopes are sealed with
+    # (crypto/secagg/plan.py); None in bundles made before it existed (re-run provisioning)
+    channel_x25519: str | None = None
 
     def signing_public_key(self) -> ed25519.Ed25519PublicKey:
         return ed25519.Ed25519PublicKey.from_public_bytes(unb64(self.sign_ed25519))
+
+    def channel_public_key(self) -> x25519.X25519PublicKey | None:
+        return None if self.channel_x25519 is None else x25519.X25519PublicKey.from_public_bytes(unb64(self.channel_x25519))
 
 
 class CoordinatorRecord(_Model):
@@ -89,6 +95,16 @@ class RegistryBody(_Model):
     coordinator: CoordinatorRecord
     sites: dict[str, SiteRecord]
 
+    def signed_bytes(self) -> bytes:
+        """What the CA signs: the canonical JSON of the body, where a site without a channel key
+        has no `channel_x25519` member at all, so registries signed before that field existed
+        still verify (they are refreshed by re-running provisioning)."""
+        doc = self.model_dump(mode="json")
+        for rec in doc["sites"].values():
+            if rec.get("channel_x25519") is None:
+                rec.pop("channel_x25519", None)
+        return canonical_json(doc)
+
 
 class SignedRegistry(_Model):
     body: RegistryBody
@@ -96,7 +112,7 @@ class SignedRegistry(_Model):
 
     @classmethod
     def sign(cls, body: RegistryBody, ca_key: ec.EllipticCurvePrivateKey) -> "SignedRegistry":
-        sig = ca_key.sign(canonical_json(body.model_dump(mode="json")), ec.ECDSA(hashes.SHA256()))
+        sig = ca_key.sign(body.signed_bytes(), ec.ECDSA(hashes.SHA256()))
         return cls(body=body, signature=b64(sig))
 
     def verify(self, ca_cert: x509.Certificate) -> RegistryBody:
@@ -104,7 +120,7 @@ class SignedRegistry(_Model):
         if not isinstance(key, ec.EllipticCurvePublicKey):
             raise PkiMaterialError("bad_registry_signature", "the federation CA key is not an EC key")
         try:
-            key.verify(unb64(self.signature), canonical_json(self.body.model_dump(mode="json")), ec.ECDSA(hashes.SHA256()))
+            key.verify(unb64(self.signature), self.body.signed_bytes(), ec.ECDSA(hashes.SHA256()))
         except (InvalidSignature, ValueError) as exc:  # ValueError: signature not base64
             raise PkiMaterialError("bad_registry_signature",
                                    "site registry signature does not verify against the federation CA") from exc

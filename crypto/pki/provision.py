@@ -4,12 +4,14 @@
     out_dir/coordinator/         TLS server cert+key, X25519 sealing key, Ed25519 signing key,
                                  CA-signed site registry, CRL
     out_dir/sites/<name>/        TLS client cert+key, Flower SuperNode auth key (OpenSSH),
-                                 Ed25519 update-signing key, the coordinator's public keys,
-                                 a copy of the CA-signed site registry (to check peers' keys)
+                                 Ed25519 update-signing key, X25519 SecAgg+ channel key, the
+                                 coordinator's public keys, a copy of the CA-signed site
+                                 registry (to check peers' keys)
     out_dir/retired/             bundles replaced by an explicit rotation (never deleted)
 
 Re-running is idempotent: existing bundles are kept and reported, new sites are issued from the
-existing CA, and nothing is replaced unless its party is named in ``rotate``. Each bundle is
+existing CA, and nothing is replaced unless its party is named in ``rotate`` (a site bundle made
+before SecAgg+ channel keys existed gets one added, and is reported as refreshed). Each bundle is
 built in a temporary directory and renamed into place, so a crash leaves no half bundle.
 """
 
@@ -30,7 +32,8 @@ from pydantic import BaseModel, Field
 
 from . import certs
 from .keys import (
-    PEM, cert_fingerprint, load_cert, load_private, new_sealing_key, new_signing_key, new_supernode_auth_key,
+    PEM, cert_fingerprint, load_cert, load_private, new_channel_key, new_sealing_key, new_signing_key,
+    new_supernode_auth_key,
     new_tls_key, openssh_private, openssh_public, private_pem, public_key_fingerprint, public_pem, raw_public,
     write_json, write_private, write_public,
 )
@@ -49,6 +52,7 @@ SEAL_KEY, SEAL_PUB = "seal_x25519.key", "seal_x25519.pub"
 SIGN_KEY, SIGN_PUB = "sign_ed25519.key", "sign_ed25519.pub"
 AUTH_KEY, AUTH_PUB = "supernode_auth.key", "supernode_auth.pub"
 COORD_SEAL_PUB, COORD_SIGN_PUB = "coordinator_seal_x25519.pub", "coordinator_sign_ed25519.pub"
+CHANNEL_KEY, CHANNEL_PUB = "channel_x25519.key", "channel_x25519.pub"
 
 
 class ProvisionReport(BaseModel):
@@ -171,10 +175,29 @@ def _create_site(root: Path, ca: _CA, site: str, days: int) -> None:
             sign_ed25519=b64(raw_public(sign_key.public_key())), supernode_auth_openssh=auth_pub.decode().strip(),
             supernode_auth_fingerprint=public_key_fingerprint(auth_key.public_key()), issued_at=_now_iso(),
         )
+        record = _write_channel_key(staging, record)
         write_json(staging / "site.json", record.model_dump(mode="json"))
         _commit(staging, root / "sites" / site)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _write_channel_key(bundle: Path, record: SiteRecord) -> SiteRecord:
+    """A fresh SecAgg+ channel key into `bundle`; the site record that names its public half."""
+    key = new_channel_key()
+    write_private(bundle / CHANNEL_KEY, private_pem(key))
+    write_public(bundle / CHANNEL_PUB, public_pem(key.public_key()))
+    return record.model_copy(update={"channel_x25519": b64(raw_public(key.public_key()))})
+
+
+def _add_missing_channel_key(root: Path, site: str) -> bool:
+    """Give a site bundle made before channel keys existed its channel key; whether it had none."""
+    rec = _site_record(root, site)
+    if rec.channel_x25519 is not None:
+        return False
+    d = root / "sites" / site
+    write_json(d / "site.json", _write_channel_key(d, rec).model_dump(mode="json"))
+    return True
 
 
 def _site_record(root: Path, site: str) -> SiteRecord:
@@ -206,6 +229,7 @@ def _write_site_public(root: Path, ca: _CA, site: str, coord: CoordinatorRecord)
         created_at=rec.issued_at,
         files={"ca_cert": CA_CERT, "tls_cert": CLIENT_CERT, "tls_key": CLIENT_KEY, "supernode_auth_key": AUTH_KEY,
                "supernode_auth_pub": AUTH_PUB, "sign_key": SIGN_KEY, "sign_pub": SIGN_PUB,
+               "channel_key": CHANNEL_KEY, "channel_pub": CHANNEL_PUB,
                "coordinator_seal_pub": COORD_SEAL_PUB, "coordinator_sign_pub": COORD_SIGN_PUB, "crl": CRL_FILE,
                "registry": REGISTRY},
         fingerprints={"ca_cert": ca.fingerprint, "tls_cert": rec.client_cert_fingerprint,
@@ -321,6 +345,9 @@ def provision(
             report.rotated.append(f"site:{site}")
         elif sdir.exists():
             report.kept.append(f"site:{site}")
+            if _add_missing_channel_key(root, site):  # an older bundle: re-published with its new key
+                report.refreshed.append(f"site:{site}")
+                touched.add(site)
             continue
         else:
             _create_site(root, ca, site, leaf_days)
@@ -332,7 +359,7 @@ def provision(
     for site in existing_sites(root):  # every site's registry copy must know new or re-keyed sites
         if touched or coordinator_changed or report.rotated:
             _write_site_public(root, ca, site, coord)
-            if site not in touched:
+            if site not in touched and f"site:{site}" not in report.refreshed:
                 report.refreshed.append(f"site:{site}")
     return report
 

@@ -37,6 +37,7 @@ class PartyRecord:
     cert_serial: int | None = None
     seal_public: x25519.X25519PublicKey | None = None
     revoked: bool = False
+    channel_public: x25519.X25519PublicKey | None = None  # a site's SecAgg+ channel key
 
 
 @dataclass
@@ -55,7 +56,8 @@ class TrustStore:
             return None
         revoked = name in self.revoked_names or (rec.cert_serial is not None and rec.cert_serial in self.revoked_serials)
         if revoked != rec.revoked:
-            rec = PartyRecord(rec.name, rec.role, rec.sign_public, rec.cert_serial, rec.seal_public, revoked)
+            rec = PartyRecord(rec.name, rec.role, rec.sign_public, rec.cert_serial, rec.seal_public, revoked,
+                              rec.channel_public)
         return rec
 
     def is_trusted(self, name: str) -> bool:
@@ -131,7 +133,8 @@ class TrustStore:
                 raise PkiMaterialError("wrong_federation", "registry belongs to another federation")
             for name, s in body.sites.items():
                 parties[name] = PartyRecord(name, "site", _key(s.signing_public_key, source, name),
-                                            _serial(s.client_cert_serial, source, name))
+                                            _serial(s.client_cert_serial, source, name),
+                                            channel_public=_key(s.channel_public_key, source, name))
         if manifest.role == "site":
             c = manifest.coordinator
             if c is None or manifest.site is None:
@@ -172,6 +175,7 @@ class SiteBundle:
     tls_key: Path
     supernode_auth_key: Path
     supernode_auth_pub: Path
+    channel_key: x25519.X25519PrivateKey | None = None  # SecAgg+ share channel (None: an older bundle)
 
     @classmethod
     def load(cls, bundle_dir: str | Path) -> "SiteBundle":
@@ -181,9 +185,12 @@ class SiteBundle:
             raise ValueError(f"{d} is not a site bundle")
         key = load_private(d / m.files["sign_key"])
         assert isinstance(key, ed25519.Ed25519PrivateKey)
+        channel = load_private(d / m.files["channel_key"]) if "channel_key" in m.files else None
+        assert channel is None or isinstance(channel, x25519.X25519PrivateKey)
         return cls(d, m.party, m.federation_id, key, m.coordinator.name, m.coordinator.sealing_public_key(),
                    m.coordinator.signing_public_key(), d / m.files["ca_cert"], d / m.files["tls_cert"],
-                   d / m.files["tls_key"], d / m.files["supernode_auth_key"], d / m.files["supernode_auth_pub"])
+                   d / m.files["tls_key"], d / m.files["supernode_auth_key"], d / m.files["supernode_auth_pub"],
+                   channel)
 
     def trust(self) -> TrustStore:
         return TrustStore.load(self.dir)

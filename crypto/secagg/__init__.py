@@ -1,10 +1,12 @@
 """SecAgg+ secure aggregation (Bonawitz et al. CCS 2017, sparse graph of Bell et al. CCS 2020).
 
 Pure library over bytes and numpy arrays (numpy + cryptography + pydantic for the config): a
-protocol driver carries the messages, this package does the cryptography. See `client.py` and
-`server.py` for the four stages; `encoding.py` for the fixed-point scheme and its error bound;
-`graph.py` for the neighbour graph and its degree rule; `signing.py` for the sites' signatures on
-their messages (through `crypto.envelope`).
+protocol driver carries the messages, this package does the cryptography. See `plan.py` for a
+round's members, fixed one round ahead; `client.py` and `server.py` for the steps (setup, masked
+input, unmask); `encoding.py` for the fixed-point scheme and its error bound; `ring.py` for the
+ring and its packing on the wire; `graph.py` for the neighbour graph and its degree rule;
+`signing.py` for the sites' signatures on their messages (through `crypto.envelope`). README.md
+states the security argument.
 """
 
 from .client import ClientStage, SecAggClient
@@ -23,6 +25,7 @@ from .errors import (
     TamperedMessageError,
 )
 from .graph import choose_degree, neighbour_graph
+from .plan import RoundPlan, member_id
 from .server import SecAggResult, SecAggServer
 from .signing import ChunkManifest, Signature, SignatureRejected
 
@@ -36,6 +39,7 @@ __all__ = [
     "ReplayedMessageError",
     "RoundContext",
     "RoundParams",
+    "RoundPlan",
     "SecAggAbort",
     "SecAggClient",
     "SecAggConfig",
@@ -48,6 +52,7 @@ __all__ = [
     "SignatureRejected",
     "TamperedMessageError",
     "choose_degree",
+    "member_id",
     "neighbour_graph",
     "new_context",
 ]

@@ -1,17 +1,29 @@
-"""Client side of SecAgg+: a small per-round state object driven through the four stages.
+"""Client side of SecAgg+: one round's state object, set up one round ahead.
 
-    client = SecAggClient(config, ctx, my_id)
-    advert = client.advertise_keys()                          # stage 1 -> server (bytes)
-    reply = client.share_keys(share_keys_request)             # stage 2 -> server (bytes)
+    client, setup = SecAggClient.setup(config, plan, my_id, channel_key)   # -> server (bytes), with
+    advert = client.advert()                                               #    the signed advert
     for offset, words in client.masked_input(masked_input_request, update, weight):
-        keep(offset, words.copy())                            # stage 3 -> server (uint32 chunks)
-    shares = client.unmask(unmask_request)                    # stage 4 -> server (bytes)
+        keep(offset, words.copy())                                         # stage 3 -> server
+    shares = client.unmask(unmask_request)                                 # stage 4 -> server
+
+Setup (Bonawitz et al. stages 1 and 2 in one message). From the round's plan (plan.py: members,
+their long-term channel keys, the graph), the client draws a fresh mask key pair s_u and a fresh
+self-mask seed b_u, splits both into Shamir shares for its neighbours and itself, and seals each
+neighbour's pair of shares under a key derived from the two sites' long-term X25519 channel keys
+(provisioned) and the round context. No round trip is needed between advertising keys and sharing
+them, so a driver can send the setup of round r + 1 with the reply of round r.
+
+Masked input (stage 3): the server relays, for each neighbour whose setup it holds and that takes
+part (the live neighbours), its mask public key (which the driver checks against the neighbour's
+signature) and its envelope to this client. The client opens the envelopes, adds its self mask and
+one pairwise mask per live neighbour, and the encoded input, in the ring the server announces.
 
 The object holds this round's secrets; `to_state()` / `from_state()` carry it between the
 short-lived processes a Flower ClientApp runs in (keep that state on the site: it holds keys).
-Each stage runs once, in order: re-masking an input under the same masks, or answering two
-unmask requests, would let the server learn an individual input. Signing the messages is the
-driver's part (signing.py): this object never sees the site's long-term keys.
+Each step runs once, in order: re-masking an input under the same masks, or answering two
+unmask requests, would let the server learn an individual input. Every round has its own s_u and
+b_u: a mask key the server may have rebuilt after a dropout is never used again. Signing is the
+driver's part (signing.py): this object never sees the site's signing key.
 """
 
 from __future__ import annotations
@@ -28,17 +40,16 @@ import numpy as np
 from . import keys, ring, shamir, wire
 from .config import RoundParams, SecAggConfig
 from .context import RoundContext
-from .errors import MalformedMessageError, ProtocolViolationError, SecAggAbort
 from .encoding import FixedPointCodec, noise_key
+from .errors import MalformedMessageError, ProtocolViolationError, SecAggAbort, SecAggConfigError
 from .graph import neighbours_of
 from .keys import KeyPair
+from .plan import RoundPlan
 from .prg import PIECE_WORDS, MaskExpander
 
 
 class ClientStage(IntEnum):
-    NEW = 0
-    ADVERTISED = 1
-    SHARED = 2
+    SHARED = 2  # set up: keys drawn, shares sealed
     MASKED = 3
     UNMASKED = 4
 
@@ -49,94 +60,94 @@ def seed_commitment(ctx: RoundContext, client_id: int, seed: bytes) -> bytes:
 
 
 class SecAggClient:
-    """One client's SecAgg+ state for one round."""
+    """One client's SecAgg+ state for one round (made by `setup`)."""
 
-    def __init__(self, config: SecAggConfig, ctx: RoundContext, client_id: int) -> None:
-        if not 0 <= client_id < 1 << 64:
-            raise ValueError("client ids are unsigned 64-bit integers")
-        self.config = config
-        self.ctx = ctx
-        self.id = client_id
-        self.stage = ClientStage.NEW
-        self._c = KeyPair.generate()  # channel keys for share envelopes
-        self._s = KeyPair.generate()  # mask keys; the private half is secret-shared
+    config: SecAggConfig
+    ctx: RoundContext
+    id: int
+    stage: ClientStage
+    n_clients: int
+    threshold: int
+    neighbours: frozenset[int]
+    params: RoundParams | None  # known from the masked-input request on
+
+    @classmethod
+    def setup(cls, config: SecAggConfig, plan: RoundPlan, client_id: int, channel_private: bytes) -> tuple[SecAggClient, bytes]:
+        """Draw this round's secrets and seal their shares to the plan's neighbours; the client and
+        its SETUP message. `channel_private`: this client's long-term X25519 channel key, whose
+        public half the plan must hold for it (else ProtocolViolationError)."""
+        me = plan.by_id.get(client_id)
+        if me is None:
+            raise ProtocolViolationError(f"client {client_id} is not a member of the plan of round {plan.ctx.round}")
+        if keys.public_from_private(channel_private) != me.channel_pk:
+            raise ProtocolViolationError("the plan holds another channel key for this client than its own")
+        self = cls.__new__(cls)
+        self.config, self.ctx, self.id = config, plan.ctx, client_id
+        self.n_clients, self.threshold = len(plan.members), plan.threshold
+        self.neighbours = neighbours_of(plan.ids, plan.degree, plan.ctx.graph_seed, client_id)  # O(n), not the graph
+        self._s = KeyPair.generate()  # mask keys of this round only; the private half is secret-shared
         self._seed = os.urandom(32)  # self-mask seed b_u, secret-shared
-        self.params: RoundParams | None = None
-        self.neighbours: frozenset[int] = frozenset()
-        self._peer_keys: dict[int, tuple[bytes, bytes]] = {}  # neighbour -> (c_pk, s_pk)
-        self._held: dict[int, tuple[bytes, bytes]] = {}  # owner -> (seed share, s-key share)
-        self.live_neighbours: frozenset[int] = frozenset()  # neighbours that shared (U2)
-
-    # ---- stage 1 ---------------------------------------------------------------------------
-    def advertise_keys(self) -> bytes:
-        """Stage 1: the two public keys, to be signed and sent to the server."""
-        self._expect(ClientStage.NEW)
-        self.stage = ClientStage.ADVERTISED
-        return wire.encode_advert(self.ctx, wire.Advert(self.id, self._c.public, self._s.public))
-
-    # ---- stage 2 ---------------------------------------------------------------------------
-    def share_keys(self, request: bytes) -> bytes:
-        """Stage 2: check the neighbours' keys, secret-share b_u and s_u, seal one share each."""
-        self._expect(ClientStage.ADVERTISED)
-        roster, adverts = wire.decode_share_keys_request(self.ctx, request, self.id)
-        if len(set(roster)) != len(roster) or self.id not in roster:
-            raise ProtocolViolationError("the roster repeats ids or leaves this client out")
-        params = self.config.resolve(len(roster))
-        nbrs = neighbours_of(roster, params.degree, self.ctx.graph_seed, self.id)
-        if len({a.client for a in adverts}) != len(adverts):
-            raise ProtocolViolationError("the server forwarded two adverts for one client")
-        peers = {a.client: (a.c_pk, a.s_pk) for a in adverts if a.client != self.id}
-        if set(peers) != nbrs:
-            raise ProtocolViolationError(
-                f"server forwarded keys of {sorted(peers)}, but the round graph gives neighbours {sorted(nbrs)}"
-            )
-        own = [a for a in adverts if a.client == self.id]
-        if any((a.c_pk, a.s_pk) != (self._c.public, self._s.public) for a in own):
-            raise ProtocolViolationError("the server forwarded wrong keys for this client")
-        all_pks = [pk for pair in peers.values() for pk in pair] + [self._c.public, self._s.public]
-        if len(set(all_pks)) != len(all_pks):
-            raise ProtocolViolationError("some advertised public keys are identical")
-        holders = sorted(nbrs | {self.id})
-        seed_shares = shamir.split_secret(self._seed, params.threshold, holders)
-        key_shares = shamir.split_secret(self._s.private, params.threshold, holders)
+        holders = sorted(self.neighbours | {client_id})
+        seed_shares = shamir.split_secret(self._seed, plan.threshold, holders)
+        key_shares = shamir.split_secret(self._s.private, plan.threshold, holders)
+        self._channel: dict[int, bytes] = {}  # neighbour -> this round's AEAD key with it
         envelopes = {}
-        for v in sorted(nbrs):
-            k = keys.share_channel_key(self._c.private, peers[v][0], self.ctx, self.id, v)
-            envelopes[v] = wire.seal_envelope(k, self.ctx, self.id, v, seed_shares[v] + key_shares[v])
-        self._held[self.id] = (seed_shares[self.id], key_shares[self.id])
-        self.params, self.neighbours, self._peer_keys = params, frozenset(nbrs), peers
+        for v in sorted(self.neighbours):
+            k = keys.share_channel_key(channel_private, plan.by_id[v].channel_pk, plan.ctx, client_id, v)
+            self._channel[v] = k
+            envelopes[v] = wire.seal_envelope(k, plan.ctx, client_id, v, seed_shares[v] + key_shares[v])
+        self._held: dict[int, tuple[bytes, bytes]] = {client_id: (seed_shares[client_id], key_shares[client_id])}
+        self._peer_s: dict[int, bytes] = {}  # live neighbour -> its mask public key
+        self.live_neighbours: frozenset[int] = frozenset()
+        self.params = None
         self.stage = ClientStage.SHARED
-        return wire.encode_share_keys_reply(
-            self.ctx, self.id, seed_commitment(self.ctx, self.id, self._seed), envelopes
-        )
+        msg = wire.Setup(client_id, self._s.public, seed_commitment(plan.ctx, client_id, self._seed), envelopes)
+        return self, wire.encode_setup(plan.ctx, msg)
+
+    def advert(self) -> bytes:
+        """(id, mask public key) for this round: what the driver signs and neighbours check."""
+        return wire.encode_advert(self.ctx, wire.Advert(self.id, self._s.public))
 
     # ---- stage 3 ---------------------------------------------------------------------------
-    def receive_shares(self, request: bytes) -> None:
-        """Stage 3, first half: open the envelopes of the neighbours that are still live."""
+    def receive_shares(self, request: bytes) -> list[wire.Relayed]:
+        """Stage 3, first half: check the ring and the relayed keys, open the live neighbours'
+        envelopes. Returns what was relayed (the driver checks the signatures of its keys)."""
         self._expect(ClientStage.SHARED)
-        envelopes = wire.decode_masked_input_request(self.ctx, request, self.id)
-        stray = set(envelopes) - self.neighbours
+        spec, relayed = wire.decode_masked_input_request(self.ctx, request, self.id)
+        stray = {x.client for x in relayed} - self.neighbours
         if stray:
-            raise ProtocolViolationError(f"envelopes from non-neighbours {sorted(stray)}")
-        assert self.params is not None
-        if len(envelopes) + 1 < self.params.threshold:
+            raise ProtocolViolationError(f"keys and envelopes of non-neighbours {sorted(stray)}")
+        s_pks = [x.s_pk for x in relayed] + [self._s.public]
+        if len(set(s_pks)) != len(s_pks):
+            raise ProtocolViolationError("some relayed mask public keys are identical (or equal to ours)")
+        if len(relayed) + 1 < self.threshold:
             raise SecAggAbort(
-                f"client {self.id}: only {len(envelopes)} live neighbours, "
-                f"threshold {self.params.threshold} cannot be met"
+                f"client {self.id}: only {len(relayed)} live neighbours, threshold {self.threshold} cannot be met"
             )
+        codec = FixedPointCodec(self.config.clip, spec.bits, spec.levels, spec.weight_bound)
+        try:
+            codec.check_round()
+        except (SecAggConfigError, ValueError) as err:
+            raise ProtocolViolationError(f"the announced ring is unusable: {err}") from None
+        if spec.weight_bound > self.config.max_weight:
+            raise ProtocolViolationError(f"weight bound {spec.weight_bound} above max_weight {self.config.max_weight}")
         held = {}
-        for src, env in envelopes.items():
-            k = keys.share_channel_key(self._c.private, self._peer_keys[src][0], self.ctx, self.id, src)
-            plain = wire.open_envelope(k, self.ctx, src, self.id, env)
+        for x in relayed:
+            plain = wire.open_envelope(self._channel[x.client], self.ctx, x.client, self.id, x.envelope)
             if len(plain) != 2 * shamir.SHARE_BYTES:
-                raise MalformedMessageError(f"envelope from {src} holds {len(plain)} bytes")
-            held[src] = (plain[: shamir.SHARE_BYTES], plain[shamir.SHARE_BYTES :])
-            for s in held[src]:
+                raise MalformedMessageError(f"envelope from {x.client} holds {len(plain)} bytes")
+            held[x.client] = (plain[: shamir.SHARE_BYTES], plain[shamir.SHARE_BYTES :])
+            for s in held[x.client]:
                 if shamir.Share.from_bytes(s).x != shamir.x_for(self.id):
-                    raise ProtocolViolationError(f"client {src} sent a share for another holder")
+                    raise ProtocolViolationError(f"client {x.client} sent a share for another holder")
+            keys.agree(self._s.private, x.s_pk)  # rejects a low-order key before it masks anything
         self._held.update(held)
-        self.live_neighbours = frozenset(envelopes)
+        self._peer_s = {x.client: x.s_pk for x in relayed}
+        self.live_neighbours = frozenset(self._peer_s)
+        self.params = RoundParams(self.n_clients, len(self.neighbours), self.threshold, codec,
+                                  self.config.chunk_words(codec.bits))
         self.stage = ClientStage.MASKED  # from here on the masks are fixed: mask once only
+        return relayed
 
     def masked_input(
         self, request: bytes, update: np.ndarray, weight: int, rng: np.random.Generator | None = None
@@ -144,7 +155,7 @@ class SecAggClient:
         """Stage 3: receive the shares, then encode and mask `update` chunk by chunk.
 
         Yields (offset, uint32 words) over the ring vector [encoded update (P words), weight], at
-        most `config.chunk_bytes` per chunk. The words are a view of one buffer that the next chunk
+        most `params.chunk_words` per chunk. The words are a view of one buffer that the next chunk
         overwrites: send or copy each chunk before drawing the next. `rng` drives stochastic
         rounding (its noise key is drawn from it; default: os.urandom).
 
@@ -153,12 +164,13 @@ class SecAggClient:
         exhausted, as the server cannot take a partial upload out of the sum again.
         """
         self._expect(ClientStage.SHARED)
-        assert self.params is not None
         x = np.asarray(update).reshape(-1)
         if not np.issubdtype(x.dtype, np.floating):
             raise ValueError(f"the update must be a float array, got {x.dtype}")
-        w = self.params.codec.check_weight(weight)
+        spec, _ = wire.decode_masked_input_request(self.ctx, request, self.id)
+        w = FixedPointCodec(self.config.clip, spec.bits, spec.levels, spec.weight_bound).check_weight(weight)
         self.receive_shares(request)
+        assert self.params is not None
         return self._mask_chunks(x.shape[0] + 1, _Encoder(self.params.codec, x, w, noise_key(rng)).fill)
 
     def mask_encoded(self, request: bytes, ring_vector: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
@@ -184,7 +196,7 @@ class SecAggClient:
         bits, cw = self.params.codec.bits, self.params.chunk_words
         masks = [(keys.self_mask_key(self._seed, self.ctx, self.id), 1)]
         for v in sorted(self.live_neighbours):
-            k = keys.pairwise_mask_key(self._s.private, self._peer_keys[v][1], self.ctx, self.id, v)
+            k = keys.pairwise_mask_key(self._s.private, self._peer_s[v], self.ctx, self.id, v)
             masks.append((k, 1 if self.id < v else -1))  # + for the smaller id, - for the larger
 
         def gen() -> Iterator[tuple[int, np.ndarray]]:
@@ -207,7 +219,6 @@ class SecAggClient:
     def unmask(self, request: bytes) -> bytes:
         """Stage 4: seed shares of survivors, s-key shares of dropped neighbours; never both."""
         self._expect(ClientStage.MASKED)
-        assert self.params is not None
         survivors, dropped = wire.decode_unmask_request(self.ctx, request, self.id)
         s_set, d_set = set(survivors), set(dropped)
         if len(s_set) != len(survivors) or len(d_set) != len(dropped) or s_set & d_set:
@@ -217,10 +228,10 @@ class SecAggClient:
         unknown = (s_set | d_set) - self.live_neighbours - {self.id}
         if unknown:
             raise ProtocolViolationError(f"unmask request names non-live-neighbours {sorted(unknown)}")
-        if len(s_set) < self.params.threshold:
+        if len(s_set) < self.threshold:
             raise SecAggAbort(
                 f"client {self.id}: {len(s_set)} survivors among its neighbours, "
-                f"fewer than the threshold {self.params.threshold}"
+                f"fewer than the threshold {self.threshold}"
             )
         out = [(u, wire.ShareKind.SELF_MASK_SEED, self._held[u][0]) for u in sorted(s_set)]
         out += [(u, wire.ShareKind.MASK_KEY, self._held[u][1]) for u in sorted(d_set)]
@@ -229,41 +240,48 @@ class SecAggClient:
 
     # ---- persistence -----------------------------------------------------------------------
     def to_state(self) -> bytes:
-        """This round's state (SECRET: private keys, seed, shares) as bytes for context.state."""
+        """This round's state (SECRET: mask key, seed, channel keys, shares) as bytes."""
         h = bytes.hex
+        codec = self.params.codec if self.params else None
         doc = {
             "ctx": [self.ctx.run_id, self.ctx.round, h(self.ctx.graph_seed)],
             "id": self.id,
             "stage": int(self.stage),
-            "c": [h(self._c.private), h(self._c.public)],
+            "n": self.n_clients,
+            "t": self.threshold,
             "s": [h(self._s.private), h(self._s.public)],
             "seed": h(self._seed),
-            "n": self.params.n_clients if self.params else 0,
             "neighbours": sorted(self.neighbours),
-            "peers": {str(k): [h(a), h(b)] for k, (a, b) in self._peer_keys.items()},
+            "channel": {str(k): h(v) for k, v in self._channel.items()},
             "held": {str(k): [h(a), h(b)] for k, (a, b) in self._held.items()},
-            "live": sorted(self.live_neighbours),
+            "peers": {str(k): h(v) for k, v in self._peer_s.items()},
+            "ring": [codec.bits, codec.levels, codec.max_weight] if codec else None,
         }
         return json.dumps(doc, separators=(",", ":")).encode()
 
     @classmethod
     def from_state(cls, config: SecAggConfig, state: bytes) -> SecAggClient:
-        """Inverse of `to_state` (the config must be the one the round started with)."""
+        """Inverse of `to_state` (the config must be the one the round was set up with)."""
         try:
             doc = json.loads(state)
             u = bytes.fromhex
-            ctx = RoundContext(doc["ctx"][0], doc["ctx"][1], u(doc["ctx"][2]))
             self = cls.__new__(cls)
-            self.config, self.ctx, self.id = config, ctx, int(doc["id"])
+            self.config, self.id = config, int(doc["id"])
+            self.ctx = RoundContext(doc["ctx"][0], doc["ctx"][1], u(doc["ctx"][2]))
             self.stage = ClientStage(doc["stage"])
-            self._c = KeyPair(u(doc["c"][0]), u(doc["c"][1]))
+            self.n_clients, self.threshold = int(doc["n"]), int(doc["t"])
             self._s = KeyPair(u(doc["s"][0]), u(doc["s"][1]))
             self._seed = u(doc["seed"])
-            self.params = config.resolve(doc["n"]) if doc["n"] else None
             self.neighbours = frozenset(doc["neighbours"])
-            self._peer_keys = {int(k): (u(a), u(b)) for k, (a, b) in doc["peers"].items()}
+            self._channel = {int(k): u(v) for k, v in doc["channel"].items()}
             self._held = {int(k): (u(a), u(b)) for k, (a, b) in doc["held"].items()}
-            self.live_neighbours = frozenset(doc["live"])
+            self._peer_s = {int(k): u(v) for k, v in doc["peers"].items()}
+            self.live_neighbours = frozenset(self._peer_s)
+            self.params = None
+            if doc["ring"]:
+                codec = FixedPointCodec(config.clip, *doc["ring"])
+                self.params = RoundParams(self.n_clients, len(self.neighbours), self.threshold, codec,
+                                          config.chunk_words(codec.bits))
         except (ValueError, KeyError, TypeError, IndexError) as exc:
             raise MalformedMessageError(f"unreadable SecAgg client state: {exc}") from None
         return self

@@ -1,9 +1,15 @@
 """`SecAggConfig`: the validated settings of secure aggregation, and their resolution per round.
 
-Static checks run when the model is built (types, ranges); the checks that need the number of
-clients n (threshold <= shares <= n, enough quantization levels) run in `SecAggConfig.resolve`,
-which the server calls once the roster of a round is known and clients repeat from the same
-inputs, so both sides derive identical `RoundParams`.
+Static checks run when the model is built (types, ranges). What needs the number of clients n
+runs later, from the same inputs on both sides: the neighbour graph's degree and the threshold
+(`graph`, once a round's plan is known) and the ring (`codec`, once the coordinator knows who takes
+part and with which weights; it announces the result and sites check it, see client.py).
+
+The ring width (`bits`) is chosen for the round when unset: with values already quantized by a
+clip-and-scale integer codec to L levels (int8: 254 steps over [-clip, clip]), the ring is the
+narrowest that cannot wrap: b = bit length of n * W * L, W the round's largest weight (the sum of n
+inputs, each at most W * L, stays below 2^b; see encoding.py); float values get 32 bits. Masked
+words travel packed at b bits (ring.pack_words), so b is also the upload's bits per value.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from . import ring
 from .encoding import FixedPointCodec
+from .errors import SecAggConfigError
 from .graph import choose_degree
 
 MiB = 1 << 20
@@ -27,9 +34,11 @@ class SecAggConfig(BaseModel):
       k + 1 shares each secret is split into (rounded up, at least 2).
     neighbours: "auto" (sized from the security target, see graph.py) or a degree k.
     clip: inputs are clipped to [-clip, clip] before encoding (the same at every site).
-    bits: ring Z_{2^bits}, 8..32; at most 4 bytes per parameter travel.
+    bits: ring Z_{2^bits}, 8..32; None (default): chosen per round (module docstring). Masked
+      values travel packed at `bits` bits each.
     max_weight: largest integer weight (sample count) a site may give its update.
-    chunk_bytes: size of a masked chunk on the wire (multiple of 16 bytes, 16 B .. 64 MiB).
+    chunk_bytes: about the size of a masked chunk on the wire (16 B .. 64 MiB; a chunk holds
+      chunk_bytes * 8 / bits values, a multiple of 16).
     security_bits / correctness_bits: sigma and eta of the degree rule.
     corrupt_fraction / dropout_fraction: gamma and delta of the degree rule.
     """
@@ -40,7 +49,7 @@ class SecAggConfig(BaseModel):
     threshold: int | float = 0.5
     neighbours: Literal["auto"] | int = "auto"
     clip: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)
-    bits: int = Field(default=32, ge=ring.MIN_BITS, le=ring.MAX_BITS)
+    bits: int | None = Field(default=None, ge=ring.MIN_BITS, le=ring.MAX_BITS)
     max_weight: int = Field(default=1000, ge=1)
     chunk_bytes: int = Field(default=4 * MiB, ge=16, le=64 * MiB, multiple_of=16)
     security_bits: int = Field(default=40, ge=1, le=128)
@@ -66,14 +75,13 @@ class SecAggConfig(BaseModel):
             raise ValueError("neighbours must be 'auto' or an int >= 1")
         return v
 
-    @property
-    def chunk_words(self) -> int:
-        """uint32 words per masked chunk."""
-        return self.chunk_bytes // 4
+    def chunk_words(self, bits: int) -> int:
+        """Words per masked chunk in a `bits`-bit ring: chunk_bytes on the wire, a multiple of 16."""
+        return max(16, (self.chunk_bytes * 8 // bits) // 16 * 16)
 
-    def resolve(self, n_clients: int) -> RoundParams:
-        """Round parameters for a roster of n_clients; raises SecAggConfigError if impossible."""
-        degree, threshold = choose_degree(
+    def graph(self, n_clients: int) -> tuple[int, int]:
+        """(degree k, threshold t) of a round of n_clients; SecAggConfigError if impossible."""
+        return choose_degree(
             n_clients,
             self.neighbours,
             self.threshold,
@@ -82,8 +90,23 @@ class SecAggConfig(BaseModel):
             self.corrupt_fraction,
             self.dropout_fraction,
         )
-        codec = FixedPointCodec.for_round(self.clip, self.bits, self.max_weight, n_clients)
-        return RoundParams(n_clients, degree, threshold, codec, self.chunk_words)
+
+    def codec(self, n_clients: int, weight_bound: int | None = None, value_levels: int | None = None) -> FixedPointCodec:
+        """The ring of a round where at most n_clients inputs of weight <= weight_bound (default
+        max_weight) are summed; `value_levels`: the levels of an integer codec the values are
+        already quantized to (module docstring). SecAggConfigError if none fits."""
+        w = self.max_weight if weight_bound is None else int(weight_bound)
+        if not 1 <= w <= self.max_weight:
+            raise SecAggConfigError(f"weight bound {w} outside [1, max_weight={self.max_weight}]")
+        if self.bits is None and value_levels is not None:
+            return FixedPointCodec.for_levels(self.clip, value_levels, w, n_clients)
+        return FixedPointCodec.for_round(self.clip, 32 if self.bits is None else self.bits, w, n_clients)
+
+    def resolve(self, n_clients: int, weight_bound: int | None = None, value_levels: int | None = None) -> RoundParams:
+        """Round parameters for n_clients (graph and ring); raises SecAggConfigError if impossible."""
+        degree, threshold = self.graph(n_clients)
+        codec = self.codec(n_clients, weight_bound, value_levels)
+        return RoundParams(n_clients, degree, threshold, codec, self.chunk_words(codec.bits))
 
 
 @dataclass(frozen=True)

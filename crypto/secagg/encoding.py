@@ -2,6 +2,7 @@
 
 Scheme (the same clip range `c` for all sites, from the config):
   levels L = floor((2^b - 1) / (n * W))     n = clients in the round, W = max integer weight
+             (or, ring width chosen for given levels: b = bit length of n * W * L, `for_levels`)
   t_i      = (clip(x_i, -c, c) + c) * L / (2c)           in [0, L]
   v_i      = stochastic_round(w_i * t_i)                  in [0, w_i * L]  (w_i integer, 0 <= w_i <= W)
 and the ring vector of a client is [v_i (P words), w_i (1 word)]. The server learns
@@ -68,6 +69,33 @@ class FixedPointCodec:
                 "with 2 or more quantization levels: raise bits or lower max_weight"
             )
         return cls(float(clip), bits, levels, max_weight)
+
+    @classmethod
+    def for_levels(cls, clip: float, levels: int, max_weight: int, n_clients: int) -> FixedPointCodec:
+        """The narrowest ring that sums n_clients inputs of `levels` levels and weight <= max_weight
+        without wrapping: b = bit length of n * W * L (at least 8 bits). When the values are
+        already on the grid of L steps over [-clip, clip] (a clip-and-scale integer codec with the
+        same clip), encoding them adds no rounding error at all."""
+        if clip <= 0 or not np.isfinite(clip):
+            raise SecAggConfigError("clip must be a positive finite number")
+        if levels < 2:
+            raise SecAggConfigError(f"levels must be at least 2, got {levels}")
+        bits = max(ring.MIN_BITS, (n_clients * max_weight * levels).bit_length())
+        if bits > ring.MAX_BITS:
+            raise SecAggConfigError(
+                f"{n_clients} inputs of weight <= {max_weight} at {levels} levels need a {bits}-bit ring, more "
+                f"than {ring.MAX_BITS}: lower max_weight or use a coarser codec"
+            )
+        return cls(float(clip), bits, int(levels), max_weight)
+
+    def check_round(self) -> None:
+        """Refuse parameters under which one input's words, or its weight word, could leave the ring
+        (a site checks what the coordinator announces before it encodes anything)."""
+        ring.check_bits(self.bits)
+        if not (self.clip > 0 and np.isfinite(self.clip)) or self.levels < 2 or self.max_weight < 1:
+            raise SecAggConfigError(f"unusable fixed-point parameters {self}")
+        if self.levels * self.max_weight > (1 << self.bits) - 1:
+            raise SecAggConfigError(f"{self.levels} levels x weight {self.max_weight} do not fit a {self.bits}-bit ring")
 
     @property
     def step(self) -> float:

@@ -44,3 +44,69 @@ def sub(a: np.ndarray, b: np.ndarray, bits: int) -> np.ndarray:
 def neg(a: np.ndarray, bits: int) -> np.ndarray:
     """-a mod 2^bits as a new array."""
     return reduce_inplace(np.negative(a.astype(np.uint32)), bits)
+
+
+# ---- words on the wire at the ring's width ----------------------------------------------------
+#
+# A masked word is uniform over Z_{2^b}, so no coder can shrink it: b bits per word is the floor.
+# Words are packed little-endian at bit level, word i in bits [i*b, (i+1)*b) of the buffer; the
+# last byte's unused high bits are zero (and checked so: one word vector has one encoding).
+# Eight words always fill exactly b bytes, so word k of every group of eight sits at the same bit
+# offset k*b of its group: packing is 8 x 5 vectorised shifts and ORs over the groups, whatever b.
+
+
+def packed_nbytes(count: int, bits: int) -> int:
+    """Bytes that `count` words take at `bits` bits each."""
+    check_bits(bits)
+    return (count * bits + 7) // 8
+
+
+def pack_words(words: np.ndarray, bits: int) -> np.ndarray:
+    """uint8 buffer of the words (each < 2^bits) at `bits` bits each."""
+    check_bits(bits)
+    w = np.ascontiguousarray(words, dtype=np.uint32).reshape(-1)
+    n = w.shape[0]
+    if bits % 8 == 0:  # whole bytes: the low bits/8 bytes of each little-endian word
+        nb = bits // 8
+        return np.ascontiguousarray(w.astype("<u4", copy=False).view(np.uint8).reshape(n, 4)[:, :nb]).reshape(-1)
+    groups = -(-n // 8)
+    padded = np.zeros(groups * 8, dtype=np.uint64)
+    padded[:n] = w
+    lanes = padded.reshape(groups, 8)
+    out = np.zeros((groups, bits), dtype=np.uint8)
+    for k in range(8):
+        start, shift = divmod(k * bits, 8)
+        v = lanes[:, k] << np.uint64(shift)  # at most bits + 7 <= 39 bits: five bytes
+        for j in range(min(5, bits - start)):
+            out[:, start + j] |= ((v >> np.uint64(8 * j)) & np.uint64(0xFF)).astype(np.uint8)
+    return out.reshape(-1)[: packed_nbytes(n, bits)]
+
+
+def unpack_words(buf: np.ndarray, bits: int, count: int) -> np.ndarray:
+    """The `count` uint32 words of a buffer `pack_words` made; ValueError if its length or its
+    padding bits are not those of `count` words at `bits` bits."""
+    check_bits(bits)
+    b = np.ascontiguousarray(buf, dtype=np.uint8).reshape(-1)
+    if b.shape[0] != packed_nbytes(count, bits):
+        raise ValueError(f"{b.shape[0]} bytes cannot hold exactly {count} words of {bits} bits")
+    if bits % 8 == 0:
+        nb = bits // 8
+        wide = np.zeros((count, 4), dtype=np.uint8)
+        wide[:, :nb] = b.reshape(count, nb)
+        return wide.view("<u4").reshape(-1).astype(np.uint32, copy=False)
+    spare = count * bits % 8
+    if spare and int(b[-1]) >> spare:
+        raise ValueError("the padding bits after the last word are not zero")
+    groups = -(-count // 8)
+    full = np.zeros(groups * bits + 4, dtype=np.uint8)  # 4 spare bytes: every 5-byte read stays inside
+    full[: b.shape[0]] = b
+    out = np.empty((groups, 8), dtype=np.uint32)
+    mask = np.uint64((1 << bits) - 1)
+    base = np.arange(groups) * bits
+    for k in range(8):
+        start, shift = divmod(k * bits, 8)
+        v = np.zeros(groups, dtype=np.uint64)
+        for j in range(5):
+            v |= full[base + start + j].astype(np.uint64) << np.uint64(8 * j)
+        out[:, k] = (v >> np.uint64(shift)) & mask
+    return out.reshape(-1)[:count]

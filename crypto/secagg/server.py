@@ -1,14 +1,18 @@
 """Server side of SecAgg+: routes keys and shares, sums masked chunks, removes the masks.
 
-    server = SecAggServer(config, ctx, vector_len=P, sampled=node_ids)
-    # stage 1: for each reply           server.receive_advert(node, advert_bytes)
-    roster = server.close_advertise()   # then send server.share_keys_request(node) to each
-    # stage 2: for each reply           server.receive_share_keys(node, reply_bytes)
-    live = server.close_share_keys()    # then send server.masked_input_request(node) to each
+    server = SecAggServer(config, plan, vector_len=P)   # plan.py: the round's members, one round ahead
+    # setup: for each client's setup    server.receive_setup(node, setup_bytes)
+    live = server.close_setup(include, weight_bound, value_levels)   # U2 and the ring
+    # then send server.masked_input_request(node) to each live client
     # stage 3: for each chunk           server.add_masked_chunk(node, offset, words)
     survivors = server.close_masked_input()   # then send server.unmask_request(node) to each
     # stage 4: for each reply           server.receive_unmask(node, reply_bytes)
     result = server.finish()            # result.decode() -> float32 weighted mean
+
+Setups may arrive long before the round (a driver collects round r + 1's setups with round r's
+replies). `close_setup` fixes U2: the clients whose setup arrived and that the driver still wants
+(`include`: e.g. the sampled and admitted ones); a member left out never has its keys or envelopes
+relayed, so nobody masks with it and nothing of it needs rebuilding.
 
 Memory is O(P): one uint32 accumulator of P + 1 words (chunks are added as they arrive) plus
 chunk-sized scratch. A `receive_*`/`add_*` call raises a `SecAggMessageError` for a bad message
@@ -32,6 +36,7 @@ import numpy as np
 from . import keys, ring, shamir, wire
 from .client import seed_commitment
 from .config import RoundParams, SecAggConfig
+from .plan import RoundPlan
 from .context import RoundContext
 from .encoding import FixedPointCodec
 from .errors import (
@@ -42,7 +47,6 @@ from .errors import (
     SecAggConfigError,
     SecAggMessageError,
 )
-from .graph import neighbour_graph
 from .prg import MaskExpander
 
 MAX_RECONSTRUCTION_TRIES = 256  # subsets of t shares tried when some shares are bad
@@ -85,20 +89,15 @@ class _Upload:
 class SecAggServer:
     """The server's SecAgg+ state for one round (honest-but-curious: follows the protocol)."""
 
-    def __init__(
-        self, config: SecAggConfig, ctx: RoundContext, vector_len: int, sampled: Iterable[int] | None = None
-    ) -> None:
+    def __init__(self, config: SecAggConfig, plan: RoundPlan, vector_len: int) -> None:
         if vector_len < 1:
             raise ValueError("vector_len must be at least 1")
-        self.config, self.ctx = config, ctx
+        self.config, self.plan, self.ctx = config, plan, plan.ctx
         self.length = vector_len + 1  # ring vector: P parameter words + the weight word
-        self.sampled = frozenset(sampled) if sampled is not None else None
-        self.adverts: dict[int, wire.Advert] = {}
+        self.graph = plan.graph
+        self.roster = plan.ids
+        self.setups: dict[int, wire.Setup] = {}
         self.params: RoundParams | None = None
-        self.graph: dict[int, frozenset[int]] = {}
-        self.roster: list[int] = []
-        self._commitments: dict[int, bytes] = {}
-        self._envelopes: dict[int, dict[int, bytes]] = {}  # sender -> receiver -> envelope
         self.live: list[int] = []  # U2
         self._live_set: frozenset[int] = frozenset()
         self._acc: np.ndarray | None = None
@@ -108,62 +107,35 @@ class SecAggServer:
         self._seed_shares: dict[int, list[bytes]] = {}
         self._key_shares: dict[int, list[bytes]] = {}
         self._answered: set[int] = set()
-        self._stage = 1
-
-    # ---- stage 1 ---------------------------------------------------------------------------
-    def receive_advert(self, sender: int, data: bytes) -> None:
-        self._expect(1)
-        if self.sampled is not None and sender not in self.sampled:
-            raise ProtocolViolationError(f"client {sender} was not sampled for this round")
-        if sender in self.adverts:
-            raise ProtocolViolationError(f"client {sender} advertised keys twice")
-        a = wire.decode_advert(self.ctx, data, sender)
-        seen = {pk for b in self.adverts.values() for pk in (b.c_pk, b.s_pk)}
-        if a.c_pk == a.s_pk or a.c_pk in seen or a.s_pk in seen:
-            raise ProtocolViolationError(f"client {sender} advertised a public key already in use")
-        for pk in (a.c_pk, a.s_pk):
-            keys.agree(keys.KeyPair.generate().private, pk)  # rejects low-order points early
-        self.adverts[sender] = a
-
-    def close_advertise(self) -> list[int]:
-        """End stage 1: fix the roster U1 and the neighbour graph."""
-        self._expect(1)
-        roster = sorted(self.adverts)
-        try:
-            self.params = self.config.resolve(len(roster))
-        except SecAggConfigError as exc:
-            raise SecAggAbort(f"stage 1: {len(roster)} clients advertised keys: {exc}") from exc
-        self.roster = roster
-        self.graph = neighbour_graph(roster, self.params.degree, self.ctx.graph_seed)
         self._stage = 2
-        return list(roster)
 
-    def share_keys_request(self, client: int) -> bytes:
-        self._expect(2)
-        adverts = [self.adverts[v] for v in sorted(self.graph[client])]
-        return wire.encode_share_keys_request(self.ctx, client, self.roster, adverts)
-
-    # ---- stage 2 ---------------------------------------------------------------------------
-    def receive_share_keys(self, sender: int, data: bytes) -> None:
+    # ---- setup (stages 1 and 2 of Bonawitz et al., in one message) -----------------------------
+    def receive_setup(self, sender: int, data: bytes) -> None:
+        """Take one member's setup: its mask key, seed commitment and envelopes to its neighbours."""
         self._expect(2)
         if sender not in self.graph:
-            raise ProtocolViolationError(f"client {sender} is not in this round's roster")
-        if sender in self._envelopes:
-            raise ProtocolViolationError(f"client {sender} shared keys twice")
-        commitment, envs = wire.decode_share_keys_reply(self.ctx, data, sender)
-        if set(envs) != self.graph[sender]:
+            raise ProtocolViolationError(f"client {sender} is not a member of this round's plan")
+        if sender in self.setups:
+            raise ProtocolViolationError(f"client {sender} sent its setup twice")
+        setup = wire.decode_setup(self.ctx, data, sender)
+        if set(setup.envelopes) != self.graph[sender]:
             raise ProtocolViolationError(
-                f"client {sender} sent envelopes to {sorted(envs)}, its neighbours are {sorted(self.graph[sender])}"
+                f"client {sender} sent envelopes to {sorted(setup.envelopes)}, its neighbours are "
+                f"{sorted(self.graph[sender])}"
             )
-        self._commitments[sender] = commitment
-        self._envelopes[sender] = envs
+        if setup.s_pk in {s.s_pk for s in self.setups.values()}:
+            raise ProtocolViolationError(f"client {sender} advertised a public key already in use")
+        keys.agree(keys.KeyPair.generate().private, setup.s_pk)  # rejects low-order points early
+        self.setups[sender] = setup
 
-    def close_share_keys(self) -> list[int]:
-        """End stage 2: U2 = clients that shared, pruned until each keeps t - 1 live neighbours."""
+    def close_setup(self, include: Iterable[int] | None = None, weight_bound: int | None = None,
+                    value_levels: int | None = None) -> list[int]:
+        """End the setup: U2 = members whose setup arrived (and in `include`, when given), pruned
+        until each keeps t - 1 live neighbours; the ring for at most |U2| inputs of weight <=
+        weight_bound (config.codec)."""
         self._expect(2)
-        assert self.params is not None
-        t = self.params.threshold
-        live = set(self._envelopes)
+        t = self.plan.threshold
+        live = set(self.setups) if include is None else set(self.setups) & set(include)
         while True:  # a client whose shares too few live neighbours hold can never be unmasked
             weak = {u for u in live if len(self.graph[u] & live) + 1 < t}
             if not weak:
@@ -171,21 +143,29 @@ class SecAggServer:
             live -= weak
         if len(live) < t:
             raise SecAggAbort(
-                f"stage 2: {len(live)} clients can continue (of {len(self._envelopes)} that shared keys), "
+                f"stage 2: {len(live)} clients can continue (of {len(self.setups)} with a setup), "
                 f"fewer than the threshold {t}"
             )
+        try:
+            codec = self.config.codec(len(live), weight_bound, value_levels)
+        except SecAggConfigError as exc:
+            raise SecAggAbort(f"stage 2: {exc}") from exc
+        self.params = RoundParams(len(self.roster), self.plan.degree, t, codec, self.config.chunk_words(codec.bits))
         self.live = sorted(live)
         self._live_set = frozenset(live)
         self._stage = 3
         return list(self.live)
 
     def masked_input_request(self, client: int) -> bytes:
+        """The ring and the client's live neighbours' keys and envelopes to it."""
         self._expect(3)
-        if client not in self.live:
+        if client not in self._live_set:
             raise ProtocolViolationError(f"client {client} is not live in stage 3")
-        live = set(self.live)
-        envs = {src: self._envelopes[src][client] for src in sorted(self.graph[client] & live)}
-        return wire.encode_masked_input_request(self.ctx, client, envs)
+        assert self.params is not None
+        c = self.params.codec
+        relayed = [wire.Relayed(v, self.setups[v].s_pk, self.setups[v].envelopes[client])
+                   for v in sorted(self.graph[client] & self._live_set)]
+        return wire.encode_masked_input_request(self.ctx, client, wire.RingSpec(c.bits, c.levels, c.max_weight), relayed)
 
     # ---- stage 3 ---------------------------------------------------------------------------
     @property
@@ -204,7 +184,8 @@ class SecAggServer:
         n = words.shape[0]
         if not 0 <= offset or offset + n > self.length or n == 0:
             raise MalformedMessageError(f"chunk [{offset}, {offset + n}) outside the vector of {self.length} words")
-        bits = self.config.bits
+        assert self.params is not None
+        bits = self.params.codec.bits
         if bits < 32 and int(words.max()) >> bits:
             raise MalformedMessageError(f"chunk words outside the ring Z_2^{bits}")
         up = self._uploads.setdefault(sender, _Upload())
@@ -285,17 +266,17 @@ class SecAggServer:
         for u in self.survivors:
             seed = self._rebuild(
                 u, self._seed_shares.get(u, []), t, "self-mask seed",
-                lambda s, u=u: seed_commitment(self.ctx, u, s) == self._commitments[u],
+                lambda s, u=u: seed_commitment(self.ctx, u, s) == self.setups[u].commitment,
             )
             masks.append((keys.self_mask_key(seed, self.ctx, u), -1))
         for u in dropped:
-            s_pk = self.adverts[u].s_pk
+            s_pk = self.setups[u].s_pk
             sk = self._rebuild(
                 u, self._key_shares.get(u, []), t, "mask key",
                 lambda s, pk=s_pk: _public_matches(s, pk),
             )
             for v in sorted(self.graph[u] & u3):  # v added +mask if v < u, -mask otherwise
-                k = keys.pairwise_mask_key(sk, self.adverts[v].s_pk, self.ctx, u, v)
+                k = keys.pairwise_mask_key(sk, self.setups[v].s_pk, self.ctx, u, v)
                 masks.append((k, -1 if v < u else 1))
         acc = self.accumulator
         expander = MaskExpander()
@@ -324,7 +305,7 @@ class SecAggServer:
 
     def _expect(self, stage: int) -> None:
         if self._stage != stage:
-            names = {1: "advertise keys", 2: "share keys", 3: "masked input", 4: "unmask", 5: "finished"}
+            names = {2: "setup", 3: "masked input", 4: "unmask", 5: "finished"}
             raise ProtocolViolationError(f"server is in stage '{names[self._stage]}', not '{names[stage]}'")
 
 

@@ -1,20 +1,21 @@
 """Signed SecAgg+ messages: what each site sends the server carries its Ed25519 signature.
 
-Every site -> server message of a round (advertised keys, encrypted shares, masked input, unmask
-shares) is signed with the site's provisioned key through the update envelope
-(`crypto.envelope.make_envelope`): its signed header binds federation, run (the round context's run
-id), round, stage (the envelope channel), site name, a nonce and the digest of the message bytes,
-and its `meta` is the round context digest, which binds the graph seed as well. Only the header
-and the signature travel; the receiver rebuilds the content from the message itself.
+Every site -> server message of a round (its advert, its setup with the encrypted shares, its
+masked input, its unmask shares) is signed with the site's provisioned key through the update
+envelope (`crypto.envelope.make_envelope`): its signed header binds federation, run (the round
+context's run id), round, stage (the envelope channel), site name, a nonce and the digest of the
+message bytes, and its `meta` is the round context digest, which binds the graph seed as well. Only
+the header and the signature travel; the receiver rebuilds the content from the message itself.
 
 The server verifies against the site's registered key (`verify`, with its replay guard, so each
 stage is accepted once per site and round). It relays each advert's signature to the neighbours,
-who check that every relayed key was signed by its owner (`check_relayed_adverts`): a server
-cannot substitute public keys, the active-adversary defence of Bonawitz et al. (CCS 2017, Sec. 6).
+who check that every relayed mask key was signed by the plan's member of that id
+(`check_relayed_adverts`): a server cannot substitute public keys, the active-adversary defence of
+Bonawitz et al. (CCS 2017, Sec. 6).
 
 A masked input is large and chunked: its signed content is a manifest, (offset, length, SHA-256 of
-the words) per chunk in offset order (`ChunkManifest`), which the server recomputes from the
-chunks it received, so a changed, missing or extra chunk breaks the signature.
+the packed bytes) per chunk in offset order (`ChunkManifest`), which the server recomputes from
+the chunks it received, so a changed, missing or extra chunk breaks the signature.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from . import wire
 from .context import RoundContext
 from .errors import SecAggMessageError
 
-CHANNELS = {1: "secagg-advertise", 2: "secagg-share-keys", 3: "secagg-masked-input", 4: "secagg-unmask"}
-MANIFEST_TAG = b"sovfl-secagg-chunks/v1"
+CHANNELS = {1: "secagg-advertise", 2: "secagg-setup", 3: "secagg-masked-input", 4: "secagg-unmask"}
+MANIFEST_TAG = b"sovfl-secagg-chunks/v2"
 
 
 class SignatureRejected(SecAggMessageError):
@@ -87,41 +88,36 @@ def verify(sig: Signature | None, content: bytes, *, trust: KeyLookup, federatio
     return claimed.site
 
 
-def check_relayed_adverts(request: bytes, relayed: bytes, *, trust: KeyLookup, federation_id: str,
-                          ctx: RoundContext, me: int, own_site: str) -> dict[int, str]:
-    """Client side of stage 2: every neighbour advert in the server's share-keys `request` must come
-    with its owner's signature in `relayed`, by distinct registered sites other than this one.
-    Returns client id -> site name; raises SignatureRejected (or a wire error) otherwise."""
-    _, adverts = wire.decode_share_keys_request(ctx, request, me)
-    sigs = wire.decode_advert_signatures(ctx, relayed, me) if relayed else {}
-    names: dict[int, str] = {}
-    for a in adverts:
-        if a.client == me:
-            continue
-        raw = sigs.get(a.client)
+def check_relayed_adverts(relayed: list[wire.Relayed], signatures: bytes, *, trust: KeyLookup, federation_id: str,
+                          ctx: RoundContext, me: int, names: dict[int, str]) -> None:
+    """Client side of stage 3: every neighbour's mask key the server relays must come with its
+    owner's signature in `signatures` (ADVERT_SIGNATURES bytes), by the registered site the plan
+    names for that id (`names`); raises SignatureRejected (or a wire error) otherwise."""
+    sigs = wire.decode_advert_signatures(ctx, signatures, me) if signatures else {}
+    for x in relayed:
+        raw = sigs.get(x.client)
+        want = names.get(x.client)
         try:
-            name = verify(Signature(*raw) if raw else None, wire.encode_advert(ctx, a), trust=trust,
-                          federation_id=federation_id, ctx=ctx, stage=1)
+            name = verify(Signature(*raw) if raw else None, wire.encode_advert(ctx, wire.Advert(x.client, x.s_pk)),
+                          trust=trust, federation_id=federation_id, ctx=ctx, stage=1)
         except SignatureRejected as err:
             hint = (" (a site this bundle's registry does not know: re-run `sovfl provision` and give every site its "
                     "refreshed bundle)" if err.reason == "secagg_unknown_site" else "")
-            raise SignatureRejected(err.reason, f"the keys relayed for neighbour {a.client}: {err.detail}{hint}") from None
-        if name == own_site or name in names.values():
-            raise SignatureRejected("secagg_wrong_site", f"the keys relayed for neighbour {a.client} are signed by "
-                                    f"{name!r}, which signed another advert of this round")
-        names[a.client] = name
-    return names
+            raise SignatureRejected(err.reason, f"the keys relayed for neighbour {x.client}: {err.detail}{hint}") from None
+        if name != want:
+            raise SignatureRejected("secagg_wrong_site", f"the keys relayed for neighbour {x.client} are signed by "
+                                    f"{name!r}; the round's plan names {want!r}")
 
 
 class ChunkManifest:
-    """The signed content of a masked input: (offset, length, SHA-256) per chunk, in offset order."""
+    """The signed content of a masked input: (offset, words, SHA-256 of the packed bytes) per chunk,
+    in offset order."""
 
     def __init__(self) -> None:
         self._parts = [MANIFEST_TAG]
 
-    def add(self, offset: int, words: np.ndarray) -> None:
-        data = np.ascontiguousarray(words, dtype="<u4")
-        self._parts.append(struct.pack(">QQ", offset, data.shape[0]) + hashlib.sha256(data).digest())
+    def add(self, offset: int, words: int, packed: bytes | np.ndarray) -> None:
+        self._parts.append(struct.pack(">QQ", offset, words) + hashlib.sha256(packed).digest())
 
     def encode(self) -> bytes:
         return b"".join(self._parts)

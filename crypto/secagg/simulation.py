@@ -1,8 +1,8 @@
-"""An in-process reference driver: runs the four stages for many clients in one process.
+"""An in-process reference driver: runs one round for many clients in one process.
 
-It shows a protocol driver how the stages chain (what goes to whom, when to close a stage) and
+It shows a protocol driver how the steps chain (what goes to whom, when to close a stage) and
 lets tests and benchmarks exercise dropouts: `drop_after[client] = stage` makes that client
-vanish after it has sent its message of that stage (0: it never answers at all).
+vanish after it has sent its message of that stage (0: it never sends its setup).
 """
 
 from __future__ import annotations
@@ -12,12 +12,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from . import wire
 from .client import SecAggClient
 from .config import SecAggConfig
 from .context import RoundContext
+from .keys import KeyPair
+from .plan import RoundPlan
 from .server import SecAggResult, SecAggServer
 
-ADVERTISE, SHARE_KEYS, MASKED_INPUT, UNMASK = 1, 2, 3, 4
+SETUP, MASKED_INPUT, UNMASK = 2, 3, 4
 
 
 @dataclass
@@ -30,6 +33,13 @@ class SimulatedRound:
     encoded: dict[int, np.ndarray] = field(default_factory=dict)
 
 
+def make_plan(config: SecAggConfig, ctx: RoundContext, ids: list[int]) -> tuple[RoundPlan, dict[int, bytes]]:
+    """A plan of `ids` (named by their ids) with fresh channel keys; the plan and the private keys."""
+    pairs = {i: KeyPair.generate() for i in ids}
+    plan = RoundPlan.make(config, ctx, [wire.PlanMember(i, str(i), pairs[i].public) for i in ids])
+    return plan, {i: p.private for i, p in pairs.items()}
+
+
 def run_round(
     config: SecAggConfig,
     ctx: RoundContext,
@@ -38,6 +48,7 @@ def run_round(
     drop_after: Mapping[int, int] | None = None,
     seeds: Mapping[int, int] | None = None,
     persist: bool = False,
+    value_levels: int | None = None,
 ) -> SimulatedRound:
     """One SecAgg+ round over `updates` (client id -> float vector, all the same length).
 
@@ -49,8 +60,9 @@ def run_round(
     drop = dict(drop_after or {})
     ids = sorted(updates)
     p = next(iter(updates.values())).shape[0]
-    clients = {i: SecAggClient(config, ctx, i) for i in ids}
-    server = SecAggServer(config, ctx, vector_len=p, sampled=ids)
+    plan, channel = make_plan(config, ctx, ids)
+    server = SecAggServer(config, plan, vector_len=p)
+    clients: dict[int, SecAggClient] = {}
 
     def alive(i: int, stage: int) -> bool:
         return drop.get(i, 99) >= stage
@@ -61,13 +73,10 @@ def run_round(
         return clients[i]
 
     for i in ids:
-        if alive(i, ADVERTISE):
-            server.receive_advert(i, reload(i).advertise_keys())
-    roster = server.close_advertise()
-    for i in roster:
-        if alive(i, SHARE_KEYS):
-            server.receive_share_keys(i, reload(i).share_keys(server.share_keys_request(i)))
-    live = server.close_share_keys()
+        if alive(i, SETUP):
+            clients[i], setup = SecAggClient.setup(config, plan, i, channel[i])
+            server.receive_setup(i, setup)
+    live = server.close_setup(weight_bound=max(weights.values()) or 1, value_levels=value_levels)
     encoded: dict[int, np.ndarray] = {}
     for i in live:
         if alive(i, MASKED_INPUT):

@@ -6,6 +6,16 @@ against their own round before anything else, so a message from another run, rou
 client is rejected with `ReplayedMessageError` (the outer Ed25519 signature layer authenticates
 whole messages). Parsing never raises anything but `MalformedMessageError` on hostile bytes.
 
+Messages of a round (client.py has the flow):
+  PLAN                  server -> clients   members: (id, name, long-term channel public key)
+  SETUP                 client -> server    mask public key, seed commitment, one share envelope
+                                            per neighbour
+  ADVERT                client, signed      (id, mask public key): what neighbours check
+  MASKED_INPUT_REQUEST  server -> client    the ring (bits, levels, weight bound) and, per live
+                                            neighbour, its mask public key and its envelope
+  ADVERT_SIGNATURES     server -> client    the neighbours' signatures over their ADVERTs
+  UNMASK_REQUEST/REPLY                      survivors and dropped neighbours / their shares
+
 Shares travel between neighbours in an envelope: header (run, round, sender, receiver, stage),
 12-byte random nonce, AES-256-GCM ciphertext, with the whole header as associated data. The key
 comes from the pair's X25519 agreement salted with the round context, so a replayed envelope
@@ -26,21 +36,21 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from .context import RoundContext
 from .errors import MalformedMessageError, ReplayedMessageError, TamperedMessageError
 
-MAGIC = b"SAG1"
-ENVELOPE_MAGIC = b"SAE1"
+MAGIC = b"SAG2"
+ENVELOPE_MAGIC = b"SAE2"
 NONCE_BYTES = 12
 MAX_COUNT = 1 << 20  # entries in any list: far above any realistic roster
 
 
 class MsgType(IntEnum):
-    ADVERTISE_KEYS = 1  # client -> server, stage 1
-    SHARE_KEYS_REQUEST = 2  # server -> client, stage 2
-    SHARE_KEYS_REPLY = 3  # client -> server, stage 2
+    ADVERT = 1  # client's signed mask public key, relayed to its neighbours
+    PLAN = 2  # server -> clients: the round's members
+    SETUP = 3  # client -> server: mask key, seed commitment, share envelopes (one round ahead)
     MASKED_INPUT_REQUEST = 4  # server -> client, stage 3
     UNMASK_REQUEST = 5  # server -> client, stage 4
     UNMASK_REPLY = 6  # client -> server, stage 4
-    SHARE_ENVELOPE = 7  # client -> client through the server, stage 2 -> 3
-    ADVERT_SIGNATURES = 8  # server -> client with stage 2: the neighbours' signed-advert proofs
+    SHARE_ENVELOPE = 7  # client -> client through the server
+    ADVERT_SIGNATURES = 8  # server -> client with stage 3: the neighbours' signed-advert proofs
 
 
 class ShareKind(IntEnum):
@@ -155,58 +165,83 @@ def _check_client(kind: MsgType, got: int, expected: int) -> None:
 
 @dataclass(frozen=True)
 class Advert:
-    """Stage 1, client -> server: the client's two X25519 public keys (32 bytes each)."""
+    """A client's mask public key for one round (32 bytes), as it signs it."""
 
     client: int
-    c_pk: bytes
     s_pk: bytes
 
 
 def encode_advert(ctx: RoundContext, a: Advert) -> bytes:
-    return _header(_Writer(), MAGIC, MsgType.ADVERTISE_KEYS, ctx).u64(a.client).raw(a.c_pk).raw(a.s_pk).done()
+    return _header(_Writer(), MAGIC, MsgType.ADVERT, ctx).u64(a.client).raw(a.s_pk).done()
 
 
 def decode_advert(ctx: RoundContext, data: bytes, sender: int) -> Advert:
     r = _Reader(data)
-    _check_header(r, MAGIC, MsgType.ADVERTISE_KEYS, ctx)
+    _check_header(r, MAGIC, MsgType.ADVERT, ctx)
     client = r.u64()
-    _check_client(MsgType.ADVERTISE_KEYS, client, sender)
-    a = Advert(client, r.take(32), r.take(32))
+    _check_client(MsgType.ADVERT, client, sender)
+    a = Advert(client, r.take(32))
     r.end()
     return a
 
 
-def encode_share_keys_request(ctx: RoundContext, client: int, roster: Sequence[int], adverts: Sequence[Advert]) -> bytes:
-    """Stage 2, server -> client: the roster U1 and the adverts of the client's neighbours."""
-    w = _header(_Writer(), MAGIC, MsgType.SHARE_KEYS_REQUEST, ctx).u64(client).ids(roster).u32(len(adverts))
-    for a in adverts:
-        w.u64(a.client).raw(a.c_pk).raw(a.s_pk)
+@dataclass(frozen=True)
+class PlanMember:
+    """One member of a round's plan: its client id, its name and its long-term channel key."""
+
+    client: int
+    name: str
+    channel_pk: bytes
+
+
+def encode_plan(ctx: RoundContext, members: Sequence[PlanMember]) -> bytes:
+    """Server -> clients: who takes part in the round (the same bytes for every client)."""
+    w = _header(_Writer(), MAGIC, MsgType.PLAN, ctx).u32(len(members))
+    for m in members:
+        w.u64(m.client).blob(m.name.encode()).raw(m.channel_pk)
     return w.done()
 
 
-def decode_share_keys_request(ctx: RoundContext, data: bytes, me: int) -> tuple[list[int], list[Advert]]:
+def decode_plan(ctx: RoundContext, data: bytes) -> list[PlanMember]:
     r = _Reader(data)
-    _check_header(r, MAGIC, MsgType.SHARE_KEYS_REQUEST, ctx)
-    _check_client(MsgType.SHARE_KEYS_REQUEST, r.u64(), me)
-    roster = r.ids()
-    adverts = [Advert(r.u64(), r.take(32), r.take(32)) for _ in range(r.count())]
+    _check_header(r, MAGIC, MsgType.PLAN, ctx)
+    members = []
+    for _ in range(r.count()):
+        client, name = r.u64(), r.blob()
+        try:
+            text = name.decode()
+        except UnicodeDecodeError:
+            raise MalformedMessageError("a plan member's name is not UTF-8") from None
+        members.append(PlanMember(client, text, r.take(32)))
     r.end()
-    return roster, adverts
+    return members
 
 
-def encode_share_keys_reply(ctx: RoundContext, client: int, commitment: bytes, envelopes: dict[int, bytes]) -> bytes:
-    """Stage 2, client -> server: commitment to the self-mask seed, one envelope per neighbour."""
-    w = _header(_Writer(), MAGIC, MsgType.SHARE_KEYS_REPLY, ctx).u64(client).raw(commitment).u32(len(envelopes))
-    for dst, env in envelopes.items():
+@dataclass(frozen=True)
+class Setup:
+    """Client -> server, one round ahead: mask public key, commitment to the self-mask seed, and
+    an envelope of shares for each neighbour (receiver -> bytes)."""
+
+    client: int
+    s_pk: bytes
+    commitment: bytes
+    envelopes: dict[int, bytes]
+
+
+def encode_setup(ctx: RoundContext, s: Setup) -> bytes:
+    w = _header(_Writer(), MAGIC, MsgType.SETUP, ctx).u64(s.client).raw(s.s_pk).raw(s.commitment)
+    w.u32(len(s.envelopes))
+    for dst, env in s.envelopes.items():
         w.u64(dst).blob(env)
     return w.done()
 
 
-def decode_share_keys_reply(ctx: RoundContext, data: bytes, sender: int) -> tuple[bytes, dict[int, bytes]]:
+def decode_setup(ctx: RoundContext, data: bytes, sender: int) -> Setup:
     r = _Reader(data)
-    _check_header(r, MAGIC, MsgType.SHARE_KEYS_REPLY, ctx)
-    _check_client(MsgType.SHARE_KEYS_REPLY, r.u64(), sender)
-    commitment = r.take(32)
+    _check_header(r, MAGIC, MsgType.SETUP, ctx)
+    client = r.u64()
+    _check_client(MsgType.SETUP, client, sender)
+    s_pk, commitment = r.take(32), r.take(32)
     envs: dict[int, bytes] = {}
     for _ in range(r.count()):
         dst, env = r.u64(), r.blob()
@@ -214,29 +249,48 @@ def decode_share_keys_reply(ctx: RoundContext, data: bytes, sender: int) -> tupl
             raise MalformedMessageError(f"two envelopes for client {dst}")
         envs[dst] = env
     r.end()
-    return commitment, envs
+    return Setup(client, s_pk, commitment, envs)
 
 
-def encode_masked_input_request(ctx: RoundContext, client: int, envelopes: dict[int, bytes]) -> bytes:
-    """Stage 3, server -> client: the envelopes its live neighbours sent it (sender -> bytes)."""
-    w = _header(_Writer(), MAGIC, MsgType.MASKED_INPUT_REQUEST, ctx).u64(client).u32(len(envelopes))
-    for src, env in envelopes.items():
-        w.u64(src).blob(env)
+@dataclass(frozen=True)
+class RingSpec:
+    """The ring a round masks in, as the server announces it: Z_2^bits, `levels` quantization
+    levels over [-clip, clip], integer weights at most `weight_bound`."""
+
+    bits: int
+    levels: int
+    weight_bound: int
+
+
+@dataclass(frozen=True)
+class Relayed:
+    """What the server relays to a client about one live neighbour: its mask public key and the
+    envelope of shares it sealed to this client."""
+
+    client: int
+    s_pk: bytes
+    envelope: bytes
+
+
+def encode_masked_input_request(ctx: RoundContext, client: int, ring: RingSpec, relayed: Sequence[Relayed]) -> bytes:
+    """Stage 3, server -> client: the round's ring and its live neighbours' keys and envelopes."""
+    w = _header(_Writer(), MAGIC, MsgType.MASKED_INPUT_REQUEST, ctx).u64(client)
+    w.u8(ring.bits).u32(ring.levels).u32(ring.weight_bound).u32(len(relayed))
+    for x in relayed:
+        w.u64(x.client).raw(x.s_pk).blob(x.envelope)
     return w.done()
 
 
-def decode_masked_input_request(ctx: RoundContext, data: bytes, me: int) -> dict[int, bytes]:
+def decode_masked_input_request(ctx: RoundContext, data: bytes, me: int) -> tuple[RingSpec, list[Relayed]]:
     r = _Reader(data)
     _check_header(r, MAGIC, MsgType.MASKED_INPUT_REQUEST, ctx)
     _check_client(MsgType.MASKED_INPUT_REQUEST, r.u64(), me)
-    envs: dict[int, bytes] = {}
-    for _ in range(r.count()):
-        src, env = r.u64(), r.blob()
-        if src in envs:
-            raise MalformedMessageError(f"two envelopes from client {src}")
-        envs[src] = env
+    ring = RingSpec(r.u8(), r.u32(), r.u32())
+    relayed = [Relayed(r.u64(), r.take(32), r.blob()) for _ in range(r.count())]
     r.end()
-    return envs
+    if len({x.client for x in relayed}) != len(relayed):
+        raise MalformedMessageError("two entries for one neighbour")
+    return ring, relayed
 
 
 def encode_unmask_request(ctx: RoundContext, client: int, survivors: Sequence[int], dropped: Sequence[int]) -> bytes:

@@ -1,11 +1,23 @@
 """The driver: runs the round strategies over Flower's Grid (Message API) and keeps the run.
 
-The strategies (plain_round.py, secagg_round.py, admission.py, evaluation.py) say what each stage
-sends and how replies fold; this module owns everything else: pushing messages and pulling replies
-until each stage's deadline, naming the sites that crash, err or miss it, counting bytes and
-rejections, applying the server optimizer, checkpointing the global model after every round and
-writing one JSON line of metrics per round. A round goes on with the sites that answered if the
-quorum holds; otherwise it is skipped and the global model is left unchanged.
+The strategies (plain_round.py, secagg_round.py, evaluation.py) say what each stage sends and how
+replies fold; riders (strategy.Rider: attested admission, the next SecAgg round's setup, the
+evaluation of the received model) add their records to those messages. This module owns
+everything else: pushing messages and pulling replies until each stage's deadline, naming the
+sites that crash, err or miss it, counting bytes and rejections, timing every stage, applying the
+server optimizer, checkpointing the global model after every round and writing one JSON line of
+metrics per round. A round goes on with the sites that answered if the quorum holds; otherwise it
+is skipped and the global model is left unchanged.
+
+Messages per site and round: one train message, plus one unmask query under secure aggregation.
+What the next round needs (attestation evidence, SecAgg setup) rides on them; a site the round
+does not address but the next one samples gets a query of its own, which the round does not wait
+for. Round 1's needs ride on site discovery. The run ends with one evaluate message per site (the
+final model).
+
+State that outlives a round, for a checkpoint (issue 13): the model, the server optimizer, the
+downlink reference (`DownlinkSender`), the run-wide counters, Admission's verdicts and SecAggRound's
+`PendingSetups`; their docstrings say what a resumed run (a new Flower run id) may restore.
 """
 
 from __future__ import annotations
@@ -15,7 +27,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import TypeVar
@@ -31,10 +43,19 @@ from federation.coordinator.admission import Admission, AdmissionOutcome
 from federation.coordinator.aggregate import ServerOptimizer
 from federation.coordinator.checkpoint import save_checkpoint
 from federation.coordinator.downlink_sender import DownlinkSender
-from federation.coordinator.evaluation import Evaluation
+from federation.coordinator.evaluation import EvalRider, Evaluation
 from federation.coordinator.manifest_check import BaseCheck
 from federation.coordinator.plain_round import PlainRound
-from federation.coordinator.strategy import Exchange, ExchangeResult, Reply, RoundInput, RoundOutcome, Site, Strategy
+from federation.coordinator.strategy import (
+    Exchange,
+    ExchangeResult,
+    Reply,
+    Rider,
+    RoundInput,
+    RoundOutcome,
+    Site,
+    Strategy,
+)
 from federation.protocol import message_keys as keys
 from federation.protocol.codecs import Arrays
 from federation.protocol.payload_records import record_bytes
@@ -46,7 +67,7 @@ from federation.protocol.wire_dtypes import WireCopy, to_master
 __all__ = ["Coordinator", "FederationFailed", "Site"]
 
 log = logging.getLogger("sovfl.coordinator")
-POLL_S = 0.2
+POLL_MIN_S, POLL_MAX_S = 0.02, 0.25  # reply polling backs off from 20 ms to 250 ms while nothing comes
 O = TypeVar("O")
 
 
@@ -56,10 +77,19 @@ class FederationFailed(RuntimeError):
 
 @dataclass
 class Traffic:
-    """Array bytes a strategy's stages sent and received (good replies only)."""
+    """Array bytes a strategy's stages sent and received (good replies only), and their timings."""
 
     down: int = 0
     up: int = 0
+    stages: list[dict] = field(default_factory=list)
+
+
+def stage_timing(name: str, result: ExchangeResult, aggregate_s: float = 0.0) -> dict:
+    """One stage's line in the metrics' `timing.stages`."""
+    return {"stage": name, "seconds": round(result.seconds, 4), "push_s": round(result.push_s, 4),
+            "wait_s": round(result.wait_s, 4), "receive_s": round(result.receive_s, 4),
+            "aggregate_s": round(aggregate_s, 4), "replies": len(result.by_node),
+            "slowest_reply_s": round(max(result.by_node.values(), default=0.0), 4)}
 
 
 class Coordinator:
@@ -79,23 +109,28 @@ class Coordinator:
         self.bundle = bundle
         self.replay = ReplayGuard()  # one per run: a (run, round, site) envelope opens once
         self.protocol: Strategy = PlainRound(self.fed, bundle, self.replay)
+        self.secagg = None
         if self.fed.secagg.enabled:
             from federation.coordinator.secagg_round import SecAggRound
 
-            self.protocol = SecAggRound(self.fed, bundle, self.replay)
+            self.protocol = self.secagg = SecAggRound(self.fed, bundle, self.replay)
         self.admission: Admission | None = None
         if self.fed.attestation.enabled:
             if bundle is None:
                 raise FederationFailed("federation.attestation needs the coordinator's provisioned bundle (its "
                                        "sealing key is what its evidence binds, the registry holds the sites' keys)")
-            self.admission = Admission(self.fed.attestation.coordinator, bundle, self.fed.attestation.stage_s)
+            self.admission = Admission(self.fed.attestation.coordinator, bundle, self.round_horizon_s())
         self.evaluation = Evaluation(self.fed.deadlines.evaluate_s)
         self.sites: dict[int, Site] = {}
+        self.channel_keys: dict[str, bytes] = {}  # site -> SecAgg channel key told at discovery (no bundle)
         self.rejections: Counter[str] = Counter()
         self.downlink = DownlinkSender(self.fed.downlink_codec, self.fed.seed)
         self._progress = progress or (lambda line: log.info(line))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.workdir / "metrics.jsonl"
+        self.riders: list[Rider] = []  # riding on every message sent now
+        self._side: dict[str, tuple[int, list[Rider]]] = {}  # rider-only messages in flight: id -> (node, riders)
+        self.messages: Counter[int] = Counter()  # messages sent per node over the run (round trips)
 
     def progress(self, line: str) -> None:
         """A line for the operator (progress.log and stdout under the ServerApp)."""
@@ -106,46 +141,122 @@ class Coordinator:
         site = self.sites.get(node)
         return site.name if site else f"node-{node}"
 
+    def known_name(self, node: int) -> str | None:
+        """The name a node gave at discovery, None before."""
+        site = self.sites.get(node)
+        return site.name if site else None
+
+    def messages_per_site(self) -> dict[str, int]:
+        """Messages sent to each site so far (discovery included): every one is a round trip."""
+        return {self.site_name(n): c for n, c in sorted(self.messages.items())}
+
+    def node_of(self, name: str) -> int | None:
+        """The node that answered discovery as `name`."""
+        return next((n for n, s in self.sites.items() if s.name == name), None)
+
     # ---- messaging -------------------------------------------------------------------------------
+    def _message(self, node: int, rd: RecordDict, message_type: str, deadline_s: float,
+                 riders: list[Rider]) -> tuple[Message, list[Rider]]:
+        """The message to `node` with the riders' records, and the riders that are to see its reply
+        (those that added records, and those that see every reply)."""
+        seen = []
+        for rider in riders:
+            recs = rider.records(node)
+            for key, rec in recs.items():
+                rd[key] = rec
+            if recs or getattr(rider, "sees_every_reply", False):
+                seen.append(rider)
+        self.messages[node] += 1
+        # a little TTL beyond our deadline so a site's own timeout report can still get through
+        return Message(rd, dst_node_id=node, message_type=message_type, ttl=deadline_s + 10), seen
+
     def exchange(self, ex: Exchange, receive: Callable[[Reply], None] | None = None) -> ExchangeResult:
-        """Push one message per node and collect replies until all answered or the deadline.
+        """Push one message per node (with the riders' records) and collect replies until all
+        answered or the deadline; riders' own messages go out too but are not waited for.
 
         With `receive`, each good reply is handed over as soon as it is pulled and not kept
         (replies are pulled one at a time), so a stage of large replies holds at most one;
         without, the good replies come back in the result."""
         result, t0 = ExchangeResult(), time.monotonic()
-        msgs = []
-        for node in ex.nodes:
-            rd = ex.content(node)
-            result.bytes_down += record_bytes(rd)
-            # a little TTL beyond our deadline so a site's own timeout report can still get through
-            msgs.append(Message(rd, dst_node_id=node, message_type=ex.message_type, ttl=ex.deadline_s + 10))
-        names = {m.metadata.dst_node_id: self.site_name(m.metadata.dst_node_id) for m in msgs}
-        pending: dict[str, int] = {}
-        for mid, m in zip(list(self.grid.push_messages(msgs)), msgs):
-            if mid:
-                pending[mid] = m.metadata.dst_node_id
+        riders = list(self.riders)
+        built = [self._message(node, ex.content(node), ex.message_type, ex.deadline_s, riders) for node in ex.nodes]
+        n_main = len(built)
+        side = [n for n in dict.fromkeys(n for r in riders for n in r.wanted()) if n not in set(ex.nodes)]
+        built += [self._message(n, RecordDict({keys.CONFIG: ConfigRecord({})}), "query", ex.deadline_s, riders)
+                  for n in side]
+        for m, _ in built:
+            result.bytes_down += record_bytes(m.content)
+        names = {m.metadata.dst_node_id: self.site_name(m.metadata.dst_node_id) for m, _ in built}
+        pending: dict[str, tuple[int, list[Rider]]] = {}
+        ids = list(self.grid.push_messages([m for m, _ in built])) if built else []
+        for i, (mid, (m, seen)) in enumerate(zip(ids, built)):
+            node = m.metadata.dst_node_id
+            if not mid:
+                for rider in seen:
+                    rider.take(node, None)
+                if i < n_main:
+                    result.failed[names[node]] = "push_failed: the SuperLink did not accept the message"
+            elif i < n_main:
+                pending[mid] = (node, seen)
             else:
-                result.failed[names[m.metadata.dst_node_id]] = "push_failed: the SuperLink did not accept the message"
-        del msgs
+                self._side[mid] = (node, seen)
+        del built
+        result.push_s = time.monotonic() - t0
         end = time.monotonic() + ex.deadline_s
+        poll = POLL_MIN_S
         while pending and time.monotonic() < end:
+            got = self._pull_side()
             batches = [[mid] for mid in pending] if receive else [list(pending)]
-            for ids in batches:
-                for reply in self.grid.pull_messages(ids):
-                    node = pending.pop(reply.metadata.reply_to_message_id, None)
-                    if node is None:
+            for batch in batches:
+                for reply in self.grid.pull_messages(batch):
+                    entry = pending.pop(reply.metadata.reply_to_message_id, None)
+                    if entry is None:
                         continue
+                    node, seen = entry
+                    got = True
+                    result.by_node[node] = time.monotonic() - t0
+                    for rider in seen:
+                        rider.take(node, reply)
                     good = self._check_reply(result, names[node], node, reply)
                     if good is not None:
+                        t1 = time.monotonic()
                         (receive or result.replies.append)(good)
-                reply = good = None  # streamed: drop this reply before the next pull
+                        result.receive_s += time.monotonic() - t1
+                    reply = good = None  # streamed: drop this reply before the next pull
             if pending:
-                time.sleep(POLL_S)
-        for node in pending.values():
+                poll = POLL_MIN_S if got else min(POLL_MAX_S, poll * 1.5)
+                time.sleep(max(0.0, min(poll, end - time.monotonic())))
+        self._pull_side()
+        for node, seen in pending.values():
             result.failed[names[node]] = f"deadline: no reply within {ex.deadline_s:.0f}s (crashed, hung or disconnected)"
+            for rider in seen:
+                rider.take(node, None)
         result.seconds = time.monotonic() - t0
+        result.wait_s = max(0.0, result.seconds - result.push_s - result.receive_s)
         return result
+
+    def _pull_side(self) -> bool:
+        """Hand the riders' replies that arrived to them; whether any did."""
+        if not self._side:
+            return False
+        got = False
+        for reply in self.grid.pull_messages(list(self._side)):
+            entry = self._side.pop(reply.metadata.reply_to_message_id, None)
+            if entry is not None:
+                got = True
+                node, riders = entry
+                for rider in riders:
+                    rider.take(node, reply)
+        return got
+
+    def drain(self) -> None:
+        """End the riders of the last round: take what arrived of their own messages, give up on the
+        rest (a round never waits for a site it does not address)."""
+        self._pull_side()
+        for node, riders in self._side.values():
+            for rider in riders:
+                rider.take(node, None)
+        self._side.clear()
 
     def _check_reply(self, result: ExchangeResult, name: str, node: int, reply: Message) -> Reply | None:
         """A good reply, or None with the site's failure recorded in `result`."""
@@ -173,8 +284,15 @@ class Coordinator:
                 result = self.exchange(ex, partial(step.receive, state) if step.receive else None)
                 traffic.down += result.bytes_down
                 traffic.up += result.bytes_up
+                t0 = time.monotonic()
                 step.aggregate(state, result)
-            return strategy.finish(state), traffic
+                traffic.stages.append(stage_timing(ex.stage, result, time.monotonic() - t0))
+            t0 = time.monotonic()
+            out = strategy.finish(state)
+            took = round(time.monotonic() - t0, 4)  # the strategy's own work (decode, unmask): aggregation
+            traffic.stages.append({"stage": "finish", "seconds": took, "push_s": 0.0, "wait_s": 0.0, "receive_s": 0.0,
+                                   "aggregate_s": took, "replies": 0, "slowest_reply_s": 0.0})
+            return out, traffic
         except strategy.aborts as err:
             return strategy.abort(state, err), traffic
 
@@ -183,21 +301,21 @@ class Coordinator:
         """The round's identity, for the coordinator's side of the pipeline."""
         return RoundContext(self.fed.name, self.run_id, rnd, "", self.round_seed(rnd))
 
-    def round_config(self, rnd: int, deadline_s: float) -> RoundConfig:
+    def round_config(self, rnd: int, deadline_s: float, evaluate: bool = False) -> RoundConfig:
         """The CONFIG record of a stage's messages."""
         return RoundConfig(round=rnd, federation=self.fed.name, update_kind=self.fed.update_kind,
                            seed=self.round_seed(rnd), codec=self.fed.codec, error_feedback=self.fed.error_feedback,
-                           seal=self.fed.seal,
+                           seal=self.fed.seal, evaluate=evaluate,
                            # the site must answer before our deadline, ClientApp start-up (a few seconds) included
                            deadline_s=max(1.0, deadline_s * 0.8 - 2.0))
 
-    def model_message(self, rnd: int, deadline_s: float) -> Callable[[int], RecordDict]:
+    def model_message(self, rnd: int, deadline_s: float, evaluate: bool = False) -> Callable[[int], RecordDict]:
         """The global model (with a downlink codec: the encoded steps from the model each site holds,
         coordinator/downlink_sender.py) and the round config, serialized once per stage and content
-        and shared by the messages."""
+        and shared by the messages. `evaluate`: sites evaluate it before training on it."""
         down = self.model if self.downlink.codec is not None else self.wire_copy.of(self.model)
         records = self.downlink.stage(down, self.site_name)
-        config = self.round_config(rnd, deadline_s).to_record()
+        config = self.round_config(rnd, deadline_s, evaluate).to_record()
         return lambda node: RecordDict({**records(node), keys.CONFIG: config})
 
     def round_seed(self, rnd: int) -> int:
@@ -207,12 +325,77 @@ class Coordinator:
     def round_horizon_s(self) -> float:
         """The latest an update of this round can arrive, every stage at its deadline."""
         d = self.fed.deadlines
-        stages = d.round_s + 2 * self.fed.attestation.stage_s
-        return stages + (3 * d.secagg_stage_s if self.fed.secagg.enabled else 0.0)
+        return d.round_s + (d.secagg_stage_s if self.fed.secagg.enabled else 0.0)
+
+    # ---- what rides on a round's messages --------------------------------------------------------
+    def candidates(self) -> list[int]:
+        """The nodes a rider may address: every site discovered."""
+        return sorted(self.sites)
+
+    def riders_for(self, rnd: int, evaluate: EvalRider | None = None) -> list[Rider]:
+        """What rides on round `rnd`'s messages: the evaluation of the received model, our answers to
+        the sites' attestation nonces and what round `rnd + 1` needs (its sites' evidence, their
+        SecAgg setups)."""
+        nxt = rnd + 1 if rnd < self.fed.rounds else None
+        riders: list[Rider] = [evaluate] if evaluate is not None else []
+        upcoming = set(self.sample(nxt)) if nxt is not None else set()
+        if self.admission is not None:
+            adm, within = self.admission, 2 * self.round_horizon_s()
+            riders.append(adm.rider(rnd, nxt, lambda node, name: name is not None and name in upcoming
+                                    and adm.due(name, within), self.known_name, self.candidates))
+        if self.secagg is not None and nxt is not None:
+            self.secagg.plan(nxt, self.run_id, upcoming, self.secagg_channel_keys())
+            riders.append(self.secagg.setup_rider(nxt, self.known_name, self.candidates))
+        return riders
+
+    def secagg_channel_keys(self) -> dict[str, bytes]:
+        """site -> the SecAgg channel key plans name: the registry's, else what discovery told."""
+        return self.secagg.registered_channel_keys() or dict(self.channel_keys)
+
+    def prepare(self, rnd: int, nodes: list[int]) -> ExchangeResult | None:
+        """Before round `rnd`: a query to each of `nodes` that was never asked for what the round
+        needs (evidence, SecAgg setup), answered before the round starts. Only when nothing could
+        ride ahead: round 1 without a bundle (channel keys come from discovery), or a round run on
+        its own (tests). A site that was asked and did not answer sits the round out instead."""
+        riders: list[Rider] = []
+        if self.secagg is not None:
+            setups = self.secagg.pending.rounds.get(rnd)
+            if setups is None:
+                setups = self.secagg.plan(rnd, self.run_id, [self.site_name(n) for n in nodes],
+                                          self.secagg_channel_keys())
+            todo = [n for n in nodes if n not in setups.asked]
+            rider = self.secagg.setup_rider(rnd, self.known_name, lambda: todo)
+            if rider.wanted():
+                riders.append(rider)
+        if self.admission is not None:
+            asked = self.admission.round(rnd).asked
+            fresh = {n for n in nodes if n not in asked and self.admission.due(self.site_name(n), self.round_horizon_s())}
+            if fresh:
+                riders.append(self.admission.rider(rnd - 1, rnd, lambda node, name: node in fresh, self.known_name,
+                                                   lambda: sorted(fresh)))
+        if not riders:
+            return None
+        t0 = time.monotonic()
+        saved, self.riders = self.riders, riders
+        try:
+            res = self.exchange(Exchange(f"prepare round {rnd}", "query", [], lambda n: RecordDict(),
+                                         float(self.fed.deadlines.secagg_stage_s)))
+            deadline = time.monotonic() + float(self.fed.deadlines.secagg_stage_s)
+            while self._side and time.monotonic() < deadline:  # here the round does wait for them
+                if not self._pull_side():
+                    time.sleep(POLL_MIN_S)
+            self.drain()
+        finally:
+            self.riders = saved
+        res.seconds = time.monotonic() - t0
+        res.wait_s = res.seconds - res.push_s
+        return res
 
     # ---- stages of the run -----------------------------------------------------------------------
     def wait_for_sites(self) -> None:
-        """Wait for the configured sites to connect and say who they are (`deadlines.connect_s`)."""
+        """Wait for the configured sites to connect and say who they are (`deadlines.connect_s`).
+        What round 1 needs rides on this discovery query: attestation nonces, and the SecAgg plan
+        when the registry already holds every site's channel key."""
         want = len(self.cfg.sites)
         end = time.monotonic() + self.fed.deadlines.connect_s
         nodes: list[int] = []
@@ -222,17 +405,37 @@ class Coordinator:
                 break
             time.sleep(0.5)
         self.progress(f"{len(nodes)}/{want} site(s) connected")
-        res = self.exchange(Exchange("discovery", "query", nodes, lambda n: RecordDict({keys.CONFIG: ConfigRecord({})}),
-                                     self.fed.deadlines.connect_s))
+        riders: list[Rider] = []
+        first = set(self.sample(1))
+        if self.admission is not None:
+            adm = self.admission
+            riders.append(adm.rider(0, 1, lambda node, name: name is None or name in first, self.known_name,
+                                    lambda: nodes))
+        if self.secagg is not None and self.secagg.registered_channel_keys():
+            self.secagg.plan(1, self.run_id, first, self.secagg.registered_channel_keys())
+            riders.append(self.secagg.setup_rider(1, self.known_name, lambda: nodes))
+        discover = ConfigRecord({"secagg": self.secagg is not None})
+        self.riders = riders
+        try:
+            res = self.exchange(Exchange("discovery", "query", nodes, lambda n: RecordDict(
+                {keys.CONFIG: ConfigRecord({}), keys.DISCOVER: discover}), self.fed.deadlines.connect_s))
+        finally:
+            self.riders = []
         known = {s.id for s in self.cfg.sites}
         for reply in res.replies:
             node, site = reply.message.metadata.src_node_id, str(reply.status["site"])
             if site not in known:
                 self.progress(f"ignoring node {node}: site '{site}' is not in the configuration")
                 continue
+            if self.node_of(site) is not None:
+                self.progress(f"ignoring node {node}: site '{site}' already answered from node {self.node_of(site)}")
+                continue
             if not self.base_check.admit(site, reply.status, self.rejections, self.progress):
                 continue
             self.sites[node] = Site(node, site, int(reply.status["num_examples"]))
+            pk = reply.status.get("secagg_channel_pk")
+            if isinstance(pk, bytes) and len(pk) == 32:
+                self.channel_keys[site] = pk
         for name, reason in res.failed.items():
             self.progress(f"site discovery: {name} failed: {reason}")
         if len(self.sites) < self.fed.quorum:
@@ -242,50 +445,66 @@ class Coordinator:
             )
         self.progress("sites: " + ", ".join(f"{s.name} ({s.num_examples} examples)" for s in self.sites.values()))
 
-    def sample(self, rnd: int) -> list[int]:
-        """The sites of round `rnd` (`sites_per_round`, reproducible from the federation seed)."""
-        nodes = sorted(self.sites)
-        k = min(self.fed.sites_per_round or len(nodes), len(nodes))
+    def sample(self, rnd: int) -> list[str]:
+        """The sites of round `rnd`: `sites_per_round` of the configured sites (all if unset), drawn
+        from the federation seed and the round alone, so any round's sample is known ahead."""
+        names = sorted(s.id for s in self.cfg.sites)
+        k = min(self.fed.sites_per_round or len(names), len(names))
         rng = np.random.default_rng([self.fed.seed, rnd])
-        # node ids are uint64 and may exceed int64: sample positions, never the ids themselves
-        return sorted(nodes[i] for i in rng.choice(len(nodes), size=k, replace=False).tolist())
+        return sorted(names[i] for i in rng.choice(len(names), size=k, replace=False).tolist())
 
-    def admit(self, rnd: int, nodes: list[int], horizon_s: float) -> AdmissionOutcome:
-        """Attested admission of `nodes` (see admission.py); refusals are counted and logged."""
+    def admit(self, rnd: int, nodes: list[int]) -> AdmissionOutcome:
+        """Round `rnd` starts: the nodes whose evidence our appraisal holds (admission.py)."""
         assert self.admission is not None
-        state = self.admission.begin(rnd, nodes, {n: self.site_name(n) for n in nodes}, horizon_s)
-        out, _ = self.drive(self.admission, state)
-        for name, reason in out.excluded.items():
-            self.rejections["attestation:" + out.codes[name]] += 1
-            self.progress(f"round {rnd}: site {name} NOT ADMITTED: {reason}")
-        return out
+        return self.admission.verdict(rnd, nodes, {n: self.site_name(n) for n in nodes})
 
     def round_input(self, rnd: int, nodes: list[int]) -> RoundInput:
         """What the round strategy is given for round `rnd`."""
         return RoundInput(self.round_context(rnd), nodes, self.sites, self.model, self.spec,
-                          partial(self.model_message, rnd), self.progress)
+                          partial(self.model_message, rnd, evaluate=self.fed.evaluate), self.progress)
 
     def train_round(self, rnd: int) -> dict:
-        """Sample, admit, run the round strategy, apply the mean update and checkpoint; the round's
-        metrics line (without evaluation and downlink)."""
+        """Sample, admit, run the round strategy (with what rides on it), apply the mean update and
+        checkpoint; the round's metrics line (without downlink figures)."""
         t0 = time.monotonic()
-        nodes = self.sample(rnd)
-        sampled, admission = len(nodes), None
+        self.drain()
+        names = self.sample(rnd)
+        nodes = [n for n in (self.node_of(name) for name in names) if n is not None]
+        absent = {name: "not connected: no node answered discovery as this site" for name in names
+                  if self.node_of(name) is None}
+        timing: dict = {"stages": []}
+        prep = self.prepare(rnd, nodes)
+        if prep is not None:
+            timing["stages"].append(stage_timing(f"prepare round {rnd}", prep))
+        admission = None
         if self.admission is not None:
-            admission = self.admit(rnd, nodes, self.round_horizon_s())
+            admission = self.admit(rnd, nodes)
             nodes = admission.admitted
-        out, traffic = self.drive(self.protocol, self.protocol.begin(self.round_input(rnd, nodes)))
+        evals = EvalRider() if self.fed.evaluate else None
+        self.riders = self.riders_for(rnd, evals)
+        try:
+            out, traffic = self.drive(self.protocol, self.protocol.begin(self.round_input(rnd, nodes)))
+        finally:
+            self.riders = []
+        timing["stages"] += traffic.stages
         out.bytes_down, out.bytes_up = traffic.down, traffic.up
+        out.failed.update(absent)
         self.rejections.update(out.rejections)
         for name, reason in out.failed.items():
             self.progress(f"round {rnd}: site {name} excluded: {reason}")
         out.failed.update(self.base_check.refused)
         if admission is not None:
+            self.admission.refusals(rnd, admission)
+            for name, reason in admission.excluded.items():
+                self.rejections["attestation:" + admission.codes[name]] += 1
+                self.progress(f"round {rnd}: site {name} NOT ADMITTED: {reason}")
             out.failed.update(admission.excluded)
             out.extra["attestation"] = admission.metrics()
-        return self._apply(rnd, out, sampled, t0)
+        if evals is not None:
+            out.extra.update(evals.totals.figures(), eval_model_round=rnd - 1)
+        return self._apply(rnd, out, len(names), t0, timing)
 
-    def _apply(self, rnd: int, out: RoundOutcome, sampled: int, t0: float) -> dict:
+    def _apply(self, rnd: int, out: RoundOutcome, sampled: int, t0: float, timing: dict) -> dict:
         line = {"round": rnd, "sites": out.per_site, "failed": out.failed, "sampled": sampled,
                 "bytes_down": out.bytes_down, "bytes_up": out.bytes_up, "rejections": dict(self.rejections),
                 **out.extra}
@@ -294,55 +513,81 @@ class Coordinator:
             line["compression_ratio"] = dense * len(out.per_site) / max(
                 1, sum(s.get("upload_bytes", dense) for s in out.per_site.values()))
         if out.mean is not None and out.count >= self.fed.quorum:
+            t1 = time.monotonic()
             self.model = self.opt.step(self.model, out.mean)
+            t2 = time.monotonic()
             save_checkpoint(self.workdir / "checkpoints", rnd, self.model, self.opt.state())
+            timing.update(optimizer_s=round(t2 - t1, 4), checkpoint_s=round(time.monotonic() - t2, 4))
             line["status"] = "aggregated"
         else:
             line["status"] = "skipped"
             self.progress(f"round {rnd}: skipped, {out.count} usable update(s) < quorum {self.fed.quorum}; "
                           "the global model is unchanged")
         line["train_s"] = time.monotonic() - t0
+        site_work = [s.get("train_call_s", 0.0) + s.get("evaluate_call_s", 0.0) for s in out.per_site.values()]
+        timing["site_work_s"] = round(max(site_work, default=0.0), 4)  # the slowest site's trainer calls
+        timing["relay_s"] = round(max((s.get("relay_s") or 0.0 for s in out.per_site.values()), default=0.0), 4)
+        line["timing"] = timing
         return line
 
-    def evaluate_round(self, rnd: int) -> dict:
-        """Evaluate the global model on every site admitted now; the `eval_*` metrics."""
+    def final_evaluation(self) -> dict:
+        """Evaluate the run's final model on every site admitted now: the `final_eval_*` figures."""
         nodes = sorted(self.sites)
         if self.admission is not None:  # the model goes only to sites admitted now
             nodes = [n for n in nodes if self.admission.admitted(self.site_name(n))]
-        out, _ = self.drive(self.evaluation, self.evaluation.begin(nodes, partial(self.model_message, rnd)))
-        return out
+        out, traffic = self.drive(self.evaluation, self.evaluation.begin(
+            nodes, partial(self.model_message, self.fed.rounds)))
+        return {f"final_{k}": v for k, v in out.items()} | {"final_eval_stage": traffic.stages[0] if traffic.stages else {}}
 
-    def run_round(self, rnd: int) -> dict:
-        """One whole round: train, evaluate, downlink figures; the metrics line, also appended to
-        metrics.jsonl."""
+    def run_round(self, rnd: int, write: bool = True) -> dict:
+        """One whole round: train (the received model evaluated first), downlink figures; the metrics
+        line, also appended to metrics.jsonl unless `write` is False."""
         t0 = time.monotonic()
         line = self.train_round(rnd)
-        if self.fed.evaluate:
-            line.update(self.evaluate_round(rnd))
         line["downlink"] = self.downlink.round_metrics()
         line["round_s"] = time.monotonic() - t0
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps(line) + "\n")
+        line["timing"]["round_s"] = round(line["round_s"], 4)
+        line["messages"] = self.messages_per_site()
+        if write:
+            self.write_line(line)
         return line
 
+    def write_line(self, line: dict) -> None:
+        """Append one metrics line."""
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(line) + "\n")
+
     def run(self) -> dict:
-        """The whole run: discovery, then every round; the run's result (result.json)."""
+        """The whole run: discovery, every round, the final evaluation; the run's result (result.json)."""
         self.wait_for_sites()
         history = []
         for rnd in range(1, self.fed.rounds + 1):
-            line = self.run_round(rnd)
+            last = rnd == self.fed.rounds
+            line = self.run_round(rnd, write=not (last and self.fed.evaluate))
+            if last and self.fed.evaluate:
+                line.update(self.final_evaluation())
+                line["final_eval_downlink"] = self.downlink.round_metrics()
+                line["messages"] = self.messages_per_site()
+                self.write_line(line)
             history.append(line)
             losses = ", ".join(f"{k}={v['loss']:.4f}" for k, v in line["sites"].items())
-            ev = f" eval_loss={line['eval_loss']:.4f}" if "eval_loss" in line else ""
+            ev = (f" eval_loss={line['eval_loss']:.4f} (model of round {line['eval_model_round']})"
+                  if "eval_loss" in line else "")
             acc = f" eval_acc={line['eval_accuracy']:.3f}" if "eval_accuracy" in line else ""
+            fin = f" final_eval_loss={line['final_eval_loss']:.4f}" if "final_eval_loss" in line else ""
             self.progress(f"round {rnd}/{self.fed.rounds} {line['status']}: {len(line['sites'])} site(s) "
-                          f"[{losses}]{ev}{acc} in {line['round_s']:.1f}s")
-        evals = [h["eval_loss"] for h in history if h["status"] == "aggregated" and "eval_loss" in h]
+                          f"[{losses}]{ev}{acc}{fin} in {line['round_s']:.1f}s")
+        evals = [(h["eval_model_round"], h["eval_loss"]) for h in history if "eval_loss" in h]
+        if history and "final_eval_loss" in history[-1]:
+            evals.append((self.fed.rounds, history[-1]["final_eval_loss"]))
+        trained = [loss for model_round, loss in evals if model_round >= 1]
         return {
             "status": "ok" if any(h["status"] == "aggregated" for h in history) else "failed",
             "rounds": len(history),
             "aggregated_rounds": sum(h["status"] == "aggregated" for h in history),
-            "first_loss": evals[0] if evals else None,
-            "last_loss": evals[-1] if evals else None,
+            # the global model evaluated after round 1, and after the last round
+            "first_loss": trained[0] if trained else None,
+            "last_loss": trained[-1] if trained else None,
             "rejections": dict(self.rejections),
+            "messages_per_site": self.messages_per_site(),
         }

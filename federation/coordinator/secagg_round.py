@@ -1,30 +1,50 @@
 """Secure aggregation (SecAgg+) as a round strategy: the coordinator's side.
 
 The coordinator learns the weighted sum of the surviving sites' updates and nothing about any
-single one. One round is four stages, one `Step` each (configure_X builds the stage's messages,
-aggregate_X folds the replies into `SecAggState`): advertise keys, share keys, masked input (the
-train message) and unmask. The message formats are in protocol/secagg_records.py; the site's side
-is site/secagg_mod.py.
+single one (crypto/secagg/README.md: protocol and security argument). A round costs each site two
+messages:
+
+  round r - 1 (or discovery)   the plan of round r rides on a message the site gets anyway
+                               (`SetupRider`); its reply carries the site's setup: fresh mask key,
+                               seed commitment, Shamir shares sealed to its round-r neighbours
+  round r, train message       stage 3: the ring, the live neighbours' mask keys with their
+                               signatures and their envelopes to this site; the reply carries the
+                               masked input (and the site's setup of round r + 1)
+  round r, unmask query        stage 4: the shares that remove the masks
+
+`SecAggRound` runs stages 3 and 4 as `Step`s over a `SecAggState`; the setups of coming rounds live
+in `PendingSetups` on the strategy object. The message formats are in protocol/secagg_records.py;
+the site's side is site/secagg_mod.py.
+
+Plans. Round r's plan (crypto.secagg.RoundPlan) is fixed while round r - 1 runs: its round context
+(a fresh random graph seed), and as members the sites sampled for round r (sampling is
+reproducible from the federation seed, so it is known ahead), each with its SecAgg id
+(`member_id(name)`) and long-term channel key (the CA-signed registry's; without a bundle, the key
+the site told at discovery). A sampled site without a setup for round r (new, down or failing when
+it was asked, or not sampled in round r - 1 and not reached by a prepare query) sits round r out;
+it is asked for the setup of round r + 1 during round r.
 
 Signatures (crypto.secagg.signing): every reply carries the site's Ed25519 signature over its
-content (stage 3: the manifest of its chunks) bound to federation, run, round, stage and site.
-With a coordinator bundle each is verified against the site's registered key and the run's
-replay guard; a missing or bad signature rejects the message (counted under its own reason, e.g.
-secagg_unsigned, secagg_bad_signature, secagg_digest_mismatch), and the site counts as dropped in
-that stage. The stage-2 request adds `relayed`: the neighbours' advert signatures, so that each
-site checks that no key was substituted. Without a bundle (insecure development runs) signatures
-are relayed but not checked here.
+content (stage 3: the manifest of its packed chunks), bound to federation, run, round, stage and
+site; a setup also carries the signature of its advert. With a coordinator bundle each is verified
+against the site's registered key and the run's replay guard; a missing or bad signature rejects
+the message (counted under its own reason, e.g. secagg_unsigned, secagg_bad_signature,
+secagg_digest_mismatch). A rejected setup leaves the site out of its round, a rejected stage-3 or
+-4 message counts as a dropout in that stage. The stage-3 request adds `relayed`: the live
+neighbours' advert signatures, which each site checks before masking. Without a bundle (insecure
+development runs) signatures are relayed but not checked here.
 
-Identities: a site's SecAgg client id is its Flower node id (unsigned 64-bit). The coordinator takes
-it from the node a message was addressed to, which the SuperLink authenticates as the replying
-node; the site takes it from `context.node_id`. Nothing the site writes names its own id.
-
-Dropouts: a site that errs, is rejected or misses a deadline in stage s is treated as having
-vanished after stage s - 1; the crypto library recovers up to n - t of them. When fewer than t
+Dropouts: a site that errs, is rejected or misses a deadline in stage 3 is treated as having
+vanished after its setup (its mask key is rebuilt from its neighbours' shares; it drew a fresh one
+for every other round); in stage 4, after its masked input (its seed is rebuilt). When fewer than t
 remain, `SecAggAbort` ends the round (the driver calls `abort`): `RoundOutcome.mean` is None (the
 coordinator skips the round and leaves the global model unchanged), the reason is in
 `extra["secagg"]["aborted"]`, in every sampled site's `failed` entry and in the progress log; the
-next round starts afresh.
+next round has its own plan and setups and starts afresh.
+
+Ring: the round's ring is chosen when stage 3 starts, for the sites that take part (config.codec):
+with an integer codec on the secagg clip (e.g. randk + int8:clip=C), the narrowest that cannot
+wrap for their number and largest weight; masked values travel packed at its width.
 
 Memory: masked chunks are added to the SecAggServer's single uint32 accumulator (P + 1 words) as
 each stage-3 reply is pulled (`receive_masked_input`), and the reply is dropped right away; the
@@ -48,11 +68,12 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
-from flwr.app import RecordDict
+from flwr.app import Message, RecordDict
 
 import crypto.secagg as secagg
 from crypto.envelope import ReplayGuard
@@ -62,12 +83,14 @@ from crypto.secagg import (
     MalformedMessageError,
     ProtocolViolationError,
     ReplayedMessageError,
+    RoundPlan,
     SecAggAbort,
     SecAggError,
     SecAggMessageError,
     SecAggServer,
     Signature,
     TamperedMessageError,
+    member_id,
     new_context,
 )
 from crypto.secagg import wire as secagg_wire
@@ -75,7 +98,7 @@ from crypto.secagg.signing import verify
 from federation.config.schema import FederationConfig
 from federation.coordinator.strategy import Exchange, ExchangeResult, Reply, RoundInput, RoundOutcome, Step, site_metrics
 from federation.protocol.codecs import Arrays, UpdateSpec, parse_codec
-from federation.protocol.message_keys import ADVERTISE, MASKED_INPUT, SECAGG, SHARE_KEYS, STAGE_NAMES, UNMASK
+from federation.protocol.message_keys import MASKED_INPUT, SECAGG, SECAGG_SETUP, SETUP, STAGE_NAMES, STATUS, UNMASK
 from federation.protocol.pipeline import UpdateRejected, check_update
 from federation.protocol.secagg_records import (
     check_reply,
@@ -85,6 +108,7 @@ from federation.protocol.secagg_records import (
     request_record,
     signature_of,
 )
+from federation.protocol.update_codec import secagg_levels
 from federation.protocol.wire_dtypes import master_spec
 
 
@@ -108,28 +132,48 @@ def round_weights(num_examples: dict[int, int], max_weight: int) -> dict[int, in
     return {n: min(max_weight, max(1, int(round(v * max_weight / top)))) for n, v in num_examples.items()}
 
 
-class RoundSignatures:
-    """The coordinator's side of signed SecAgg messages for one round (see the module docstring)."""
+class Signatures:
+    """The coordinator's check of signed SecAgg messages (see the module docstring)."""
 
-    def __init__(self, bundle: CoordinatorBundle | None, replay: ReplayGuard, ctx: secagg.RoundContext,
-                 names: dict[int, str]):
+    def __init__(self, bundle: CoordinatorBundle | None, replay: ReplayGuard):
         self.trust = bundle.trust() if bundle is not None else None  # None: insecure, not checked
         self.federation_id = bundle.federation_id if bundle is not None else ""
-        self.replay, self.ctx, self.names = replay, ctx, names
-        self.adverts: dict[int, Signature] = {}
+        self.replay = replay
 
-    def check(self, stage: int, node: int, rec, content: bytes) -> Signature | None:
-        """The reply's signature, verified as node's stage message; SecAggMessageError if bad."""
-        sig = signature_of(rec)
+    def check(self, sig: Signature | None, content: bytes, ctx: secagg.RoundContext, stage: int, site: str) -> None:
+        """Verify `sig` as `site`'s stage message of round `ctx`; SecAggMessageError if bad."""
         if self.trust is not None:
-            verify(sig, content, trust=self.trust, federation_id=self.federation_id, ctx=self.ctx, stage=stage,
-                   site=self.names[node], replay=self.replay)
-        return sig
+            verify(sig, content, trust=self.trust, federation_id=self.federation_id, ctx=ctx, stage=stage,
+                   site=site, replay=self.replay)
 
-    def relayed(self, node: int, neighbours: Iterable[int]) -> bytes:
-        """The neighbours' advert signatures for node's stage-2 request."""
-        sigs = {v: (self.adverts[v].header, self.adverts[v].signature) for v in sorted(neighbours) if v in self.adverts}
-        return secagg_wire.encode_advert_signatures(self.ctx, node, sigs)
+
+@dataclass
+class RoundSetups:
+    """What the coordinator holds for one coming round: its plan and the setups the sites sent."""
+
+    plan: RoundPlan | None  # None: fewer than two sites could be planned
+    setups: dict[str, tuple[bytes, Signature | None]] = field(default_factory=dict)  # site -> (setup, advert sig)
+    missing: dict[str, str] = field(default_factory=dict)  # site -> why it has no setup
+    asked: set[int] = field(default_factory=set)  # nodes a message asked for their setup
+    rejections: Counter = field(default_factory=Counter)  # reason -> count, counted in the round's line
+
+
+class PendingSetups:
+    """Setups of coming rounds, by round: state that lives across rounds.
+
+    Bound to one SecAgg run id ("<federation>/<flower run id>"): a resumed coordinator is a new
+    Flower run and must start with an empty one (its sites start with empty SecAgg state too), so
+    material from before a crash is never combined with new material. Rounds are dropped once they
+    ran (`take`)."""
+
+    def __init__(self) -> None:
+        self.rounds: dict[int, RoundSetups] = {}
+
+    def take(self, rnd: int) -> RoundSetups | None:
+        """The setups of round `rnd`, removed (with every older round's)."""
+        for r in [r for r in self.rounds if r < rnd]:
+            del self.rounds[r]
+        return self.rounds.pop(rnd, None)
 
 
 @dataclass
@@ -137,19 +181,24 @@ class SecAggState:
     """One SecAgg+ round in progress: the crypto server, who is still in, and the metrics so far."""
 
     inp: RoundInput
-    names: dict[int, str]
+    names: dict[int, str]  # node -> site
     out: RoundOutcome = field(default_factory=lambda: RoundOutcome(None, 0))
     info: dict = field(default_factory=dict)  # the metrics line's "secagg" entry
-    stage: int = ADVERTISE
-    ctx: secagg.RoundContext | None = None
+    stage: int = SETUP
+    setups: RoundSetups | None = None
     server: SecAggServer | None = None
-    sigs: RoundSignatures | None = None
+    ids: dict[int, int] = field(default_factory=dict)  # node -> SecAgg member id
     vector_len: int = 0  # m: values each site masks (the weight word comes on top)
     dense: Callable[[np.ndarray], Arrays] | None = None  # mean values -> dense update
-    roster: list[int] = field(default_factory=list)  # advertised keys (after stage 1)
-    live: list[int] = field(default_factory=list)  # shared keys (after stage 2)
-    survivors: list[int] = field(default_factory=list)  # masked input in the sum (after stage 3)
+    live: list[int] = field(default_factory=list)  # nodes masking (U2)
+    survivors: list[int] = field(default_factory=list)  # nodes whose masked input is in the sum (U3)
     weights: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def ctx(self) -> secagg.RoundContext:
+        """The round context of the round in progress (its plan's)."""
+        assert self.setups is not None
+        return self.setups.plan.ctx
 
 
 class SecAggRound:
@@ -158,21 +207,61 @@ class SecAggRound:
     aborts = (SecAggAbort,)
 
     def __init__(self, fed: FederationConfig, bundle: CoordinatorBundle | None, replay: ReplayGuard):
-        self.fed, self.cfg, self.bundle, self.replay = fed, fed.secagg, bundle, replay
+        self.fed, self.cfg, self.bundle = fed, fed.secagg, bundle
         self.config_json = fed.secagg.model_dump_json()
+        self.sigs = Signatures(bundle, replay)
+        self.pending = PendingSetups()
+        self.levels = secagg_levels(fed.codec, fed.secagg.clip)
 
+    # ---- plans and setups (one round ahead) ----------------------------------------------------
+    def registered_channel_keys(self) -> dict[str, bytes]:
+        """site -> long-term channel key, from the CA-signed registry (empty without a bundle)."""
+        if self.sigs.trust is None:
+            return {}
+        out = {}
+        for name in self.sigs.trust.sites:
+            rec = self.sigs.trust.lookup(name)
+            if rec is not None and not rec.revoked and rec.channel_public is not None:
+                out[name] = rec.channel_public.public_bytes_raw()
+        return out
+
+    def plan(self, rnd: int, flower_run_id: int, names: Iterable[str], channel_keys: dict[str, bytes]) -> RoundSetups:
+        """Fix round `rnd`'s plan for the sites `names` (those without a channel key cannot take
+        part and are noted as missing); a fresh random graph seed."""
+        ctx = new_context(context_run_id(self.fed.name, flower_run_id), rnd)
+        names = sorted(set(names))
+        members = [secagg_wire.PlanMember(member_id(n), n, channel_keys[n]) for n in names if n in channel_keys]
+        why = f"round {rnd} has fewer than 2 sites with a channel key"
+        try:
+            plan = RoundPlan.make(self.cfg, ctx, members) if len(members) >= 2 else None
+        except SecAggError as err:
+            plan, why = None, f"round {rnd} cannot be planned: {err}"
+        setups = RoundSetups(plan)
+        for n in names:
+            if n not in channel_keys:
+                setups.missing[n] = ("no SecAgg channel key for this site (provision it again: `sovfl provision` adds "
+                                     "one; without a bundle, the site must answer discovery)")
+            elif plan is None:
+                setups.missing[n] = why
+        self.pending.rounds[rnd] = setups
+        return setups
+
+    def setup_rider(self, rnd: int, names: Callable[[int], str | None], candidates: Callable[[], list[int]]) -> "SetupRider":
+        """The rider that asks the members of round `rnd`'s plan for their setups."""
+        return SetupRider(self, self.pending.rounds[rnd], names, candidates)
+
+    # ---- the round ----------------------------------------------------------------------------
     def begin(self, inp: RoundInput) -> SecAggState:
-        """A fresh state; the crypto server is made in the first stage."""
+        """A fresh state over the round's setups (the crypto server is made in stage 3)."""
         st = SecAggState(inp, inp.names(inp.nodes))
         st.info.update(threshold=None, sampled=len(inp.nodes), stage_s={})
         st.out.extra["secagg"] = st.info
+        st.setups = self.pending.take(inp.round)
         return st
 
     def steps(self) -> tuple[Step[SecAggState], ...]:
-        """The four stages of SecAgg+, in order."""
-        return (Step(self.configure_advertise, self.aggregate_advertise),
-                Step(self.configure_share_keys, self.aggregate_share_keys),
-                Step(self.configure_masked_input, self.aggregate_masked_input, self.receive_masked_input),
+        """Stages 3 and 4 (the setups rode on earlier messages)."""
+        return (Step(self.configure_masked_input, self.aggregate_masked_input, self.receive_masked_input),
                 Step(self.configure_unmask, self.aggregate_unmask))
 
     def layout(self, inp: RoundInput) -> tuple[int, Callable[[np.ndarray], Arrays]]:
@@ -193,14 +282,6 @@ class SecAggRound:
         return k, dense
 
     # ---- helpers -------------------------------------------------------------------------------
-    def _query(self, st: SecAggState, targets: list[int], requests: dict[int, bytes],
-               extra: dict[int, dict] | None = None) -> Exchange:
-        """A query stage: each target gets its request (and extra fields) in a SECAGG record."""
-        def content(node: int) -> RecordDict:
-            return RecordDict({SECAGG: request_record(st.stage, st.ctx, self.config_json, requests.get(node, b""),
-                                                      **(extra or {}).get(node, {}))})
-        return Exchange(f"secagg stage {st.stage}", "query", targets, content, float(self.fed.deadlines.secagg_stage_s))
-
     def _reject(self, st: SecAggState, name: str, err: Exception) -> None:
         reason = rejection_reason(err)
         st.out.reject(name, reason, f"stage {st.stage} ({STAGE_NAMES[st.stage]}): {err}")
@@ -210,85 +291,67 @@ class SecAggRound:
         st.out.failed.update({k: f"stage {st.stage} ({label}): {v}" for k, v in result.failed.items()})
         st.info["stage_s"][str(st.stage)] = round(result.seconds, 3)
 
-    def _take(self, st: SecAggState, result: ExchangeResult, targets: list[int],
-              take: Callable[[int, bytes, Signature | None], None]) -> None:
-        """Hand each verified reply of a query stage to `take`; what it refuses is a rejection."""
-        for node, (data, sig) in self._verified(st, result, targets).items():
+    def _open_setups(self, st: SecAggState) -> list[int]:
+        """Make the round's crypto server and hand it the setups of the nodes taking part; the nodes
+        whose setup it took. A site without one sits the round out (named in `failed`)."""
+        setups = st.setups
+        if setups is None or setups.plan is None:
+            why = "no plan was made for this round" if setups is None else "fewer than 2 sites could be planned"
+            raise SecAggAbort(f"stage 2: {why}")
+        st.out.rejections.update(setups.rejections)
+        st.server = SecAggServer(self.cfg, setups.plan, vector_len=st.vector_len)
+        taken = []
+        for node in st.inp.nodes:
+            name = st.names[node]
+            if name not in setups.setups:
+                why = setups.missing.get(name) or ("its setup did not arrive in time" if node in setups.asked
+                                                   else "the site was not asked for one")
+                st.out.failed.setdefault(name, why if why.startswith("rejected ") else
+                                         f"secagg: no setup for round {st.inp.round} ({why}); it sits this round out")
+                continue
             try:
-                take(node, data, sig)
+                st.server.receive_setup(member_id(name), setups.setups[name][0])
             except SecAggMessageError as err:
-                self._reject(st, st.names[node], err)
-
-    def _verified(self, st: SecAggState, result: ExchangeResult, targets: list[int]) -> dict[int, tuple[bytes, Signature | None]]:
-        """The replies of a query stage that answer it and carry a good signature: node -> (data, sig)."""
-        self._failed(st, result, STAGE_NAMES[st.stage])
-        replies = {}
-        for reply in result.replies:
-            node = reply.message.metadata.src_node_id  # authenticated by the SuperLink
-            try:
-                if node not in targets:
-                    raise ProtocolViolationError(f"reply from node {node}, which was not asked")
-                rec = check_reply(reply.message, st.stage, st.ctx)
-                data = reply_bytes(rec)
-                replies[node] = (data, st.sigs.check(st.stage, node, rec, data))
-            except SecAggMessageError as err:
-                self._reject(st, reply.name, err)
-        return replies
-
-    # ---- stage 1: advertise keys ---------------------------------------------------------------
-    def configure_advertise(self, st: SecAggState) -> Exchange:
-        """Set up the round (context, crypto server, signatures) and ask every sampled site for keys."""
-        inp = st.inp
-        st.stage = ADVERTISE
-        st.ctx = new_context(context_run_id(inp.ctx.federation, inp.ctx.run_id), inp.round)
-        st.vector_len, st.dense = self.layout(inp)
-        st.server = SecAggServer(self.cfg, st.ctx, vector_len=st.vector_len, sampled=inp.nodes)
-        st.sigs = RoundSignatures(self.bundle, self.replay, st.ctx, st.names)
-        return self._query(st, list(inp.nodes), {})
-
-    def aggregate_advertise(self, st: SecAggState, result: ExchangeResult) -> None:
-        """Take each good advert; the roster is who advertised (SecAggAbort below the threshold)."""
-        def advert(node: int, data: bytes, sig: Signature | None) -> None:
-            st.server.receive_advert(node, data)
-            if sig is not None:  # relayed to its neighbours in stage 2
-                st.sigs.adverts[node] = sig
-
-        self._take(st, result, list(st.inp.nodes), advert)
-        st.roster = st.server.close_advertise()
-        params = st.server.params
-        st.info.update(roster=len(st.roster), threshold=params.threshold, degree=params.degree,
-                       levels=params.codec.levels, bits=params.codec.bits, clip=params.codec.clip,
-                       vector_len=st.vector_len)
-
-    # ---- stage 2: share keys -------------------------------------------------------------------
-    def configure_share_keys(self, st: SecAggState) -> Exchange:
-        """Relay each site its neighbours' adverts, with their signatures."""
-        st.stage = SHARE_KEYS
-        requests = {n: st.server.share_keys_request(n) for n in st.roster}
-        relayed = {n: {"relayed": st.sigs.relayed(n, st.server.graph[n])} for n in st.roster}
-        return self._query(st, st.roster, requests, relayed)
-
-    def aggregate_share_keys(self, st: SecAggState, result: ExchangeResult) -> None:
-        """Take each site's encrypted shares; live sites are those with enough live neighbours."""
-        self._take(st, result, st.roster, lambda node, data, _: st.server.receive_share_keys(node, data))
-        st.live = st.server.close_share_keys()
-        for n in set(st.roster) - set(st.live):
-            st.out.failed.setdefault(st.names[n], "secagg: too few live neighbours after stage 2 (share keys)")
+                self._reject(st, name, err)
+                continue
+            st.ids[node] = member_id(name)
+            taken.append(node)
+        return taken
 
     # ---- stage 3: masked input, in the train message ---------------------------------------------
     def configure_masked_input(self, st: SecAggState) -> Exchange:
-        """The train message: the model, plus each site's shares and its integer weight."""
+        """Close the setup (U2, the ring); the train message: the model, plus each live site's
+        neighbours' keys and envelopes, their signatures and its integer weight."""
+        inp = st.inp
+        st.stage = SETUP  # closing it: who takes part, in which ring
+        st.vector_len, st.dense = self.layout(inp)
+        taken = self._open_setups(st)
+        sites = inp.sites
+        weights = round_weights({n: sites[n].num_examples if n in sites else 1 for n in taken}, self.cfg.max_weight)
+        live_ids = st.server.close_setup([st.ids[n] for n in taken], max(weights.values(), default=1), self.levels)
+        by_id = {st.ids[n]: n for n in taken}
+        st.live = [by_id[i] for i in live_ids]
+        st.weights = {n: weights[n] for n in st.live}
+        for n in set(taken) - set(st.live):
+            st.out.failed.setdefault(st.names[n], "secagg: too few live neighbours after the setup")
         st.stage = MASKED_INPUT
-        sites = st.inp.sites
-        st.weights = round_weights({n: sites[n].num_examples if n in sites else 1 for n in st.live}, self.cfg.max_weight)
+        params = st.server.params
+        st.info.update(roster=len(setups_plan(st).members), live=len(st.live), threshold=params.threshold,
+                       degree=params.degree, levels=params.codec.levels, bits=params.codec.bits,
+                       weight_bound=params.codec.max_weight, clip=params.codec.clip, vector_len=st.vector_len)
         deadline = float(self.fed.deadlines.round_s)
-        model = st.inp.model_message(deadline)
-        requests = {n: st.server.masked_input_request(n) for n in st.live}
+        model = inp.model_message(deadline)
+        requests = {n: st.server.masked_input_request(st.ids[n]) for n in st.live}
+        adverts = {st.ids[n]: st.setups.setups[st.names[n]][1] for n in st.live}  # member -> its advert signature
 
         def content(node: int) -> RecordDict:
+            me = st.ids[node]
+            sigs = {v: (adverts[v].header, adverts[v].signature)
+                    for v in sorted(st.server.graph[me] & set(live_ids)) if adverts[v] is not None}
             rd = model(node)
-            rd[SECAGG] = request_record(MASKED_INPUT, st.ctx, self.config_json, requests[node],
-                                        weight=st.weights[node], vector_len=st.vector_len)
+            rd[SECAGG] = request_record(MASKED_INPUT, st.ctx, self.config_json, requests[node], weight=st.weights[node],
+                                        vector_len=st.vector_len,
+                                        relayed=secagg_wire.encode_advert_signatures(st.ctx, me, sigs))
             return rd
 
         return Exchange("secagg stage 3 (train)", "train", st.live, content, deadline)
@@ -300,33 +363,47 @@ class SecAggRound:
             rec = check_reply(reply.message, MASKED_INPUT, st.ctx)
             chunks = parse_chunks(reply.message, st.vector_len + 1, st.server.params.codec.bits)
             manifest = ChunkManifest()
-            for off, words in chunks:
-                manifest.add(off, words)
-            st.sigs.check(MASKED_INPUT, node, rec, manifest.encode())
-            for off, words in chunks:
-                st.server.add_masked_chunk(node, off, words)
+            for c in chunks:
+                manifest.add(c.offset, c.words.shape[0], c.packed)
+            self.sigs.check(signature_of(rec), manifest.encode(), st.ctx, MASKED_INPUT, st.names[node])
+            for c in chunks:
+                st.server.add_masked_chunk(st.ids[node], c.offset, c.words)
         except SecAggMessageError as err:  # add_masked_chunk cannot fail after parse_chunks; if it did, stage 3 aborts
             self._reject(st, reply.name, err)
             return
         metrics = site_metrics(reply)
-        metrics["upload_bytes"] = float(sum(w.nbytes for _, w in chunks))
+        metrics["upload_bytes"] = float(sum(c.packed.nbytes for c in chunks))
         metrics["weight"] = st.weights[node]
         st.out.per_site[reply.name] = metrics
 
     def aggregate_masked_input(self, st: SecAggState, result: ExchangeResult) -> None:
         """The survivors: sites whose masked input is in the sum."""
         self._failed(st, result, "masked input, train")
-        st.survivors = st.server.close_masked_input()
+        by_id = {i: n for n, i in st.ids.items()}
+        st.survivors = [by_id[i] for i in st.server.close_masked_input()]
 
     # ---- stage 4: unmask -----------------------------------------------------------------------
     def configure_unmask(self, st: SecAggState) -> Exchange:
         """Ask the survivors for the shares that remove the masks."""
         st.stage = UNMASK
-        return self._query(st, st.survivors, {n: st.server.unmask_request(n) for n in st.survivors})
+        requests = {n: st.server.unmask_request(st.ids[n]) for n in st.survivors}
+        return Exchange(f"secagg stage {UNMASK}", "query", st.survivors, lambda node: RecordDict(
+            {SECAGG: request_record(UNMASK, st.ctx, self.config_json, requests[node])}), float(self.fed.deadlines.secagg_stage_s))
 
     def aggregate_unmask(self, st: SecAggState, result: ExchangeResult) -> None:
         """Take each survivor's shares."""
-        self._take(st, result, st.survivors, lambda node, data, _: st.server.receive_unmask(node, data))
+        self._failed(st, result, STAGE_NAMES[UNMASK])
+        for reply in result.replies:
+            node = reply.message.metadata.src_node_id  # authenticated by the SuperLink
+            try:
+                if node not in st.survivors:
+                    raise ProtocolViolationError(f"reply from node {node}, which was not asked")
+                rec = check_reply(reply.message, UNMASK, st.ctx)
+                data = reply_bytes(rec)
+                self.sigs.check(signature_of(rec), data, st.ctx, UNMASK, st.names[node])
+                st.server.receive_unmask(st.ids[node], data)
+            except SecAggMessageError as err:
+                self._reject(st, reply.name, err)
 
     # ---- the outcome ---------------------------------------------------------------------------
     def finish(self, st: SecAggState) -> RoundOutcome:
@@ -336,8 +413,9 @@ class SecAggRound:
         result = st.server.finish()
         info["unmask_s"] = round(time.monotonic() - t0, 3)
         t0 = time.monotonic()
-        contributors = [st.names[n] for n in result.contributors]
-        info.update(contributors=sorted(contributors), dropped=sorted(st.names[n] for n in result.dropped),
+        names = {st.ids[n]: st.names[n] for n in st.ids}
+        contributors = [names[i] for i in result.contributors]
+        info.update(contributors=sorted(contributors), dropped=sorted(names[i] for i in result.dropped),
                     weight_total=result.weight_total, error_bound=result.error_bound(),
                     ring_sum_sha256=hashlib.sha256(np.ascontiguousarray(result.ring_sum).tobytes()).hexdigest())
         # per_site holds train metrics of the sites whose masked input is in the sum, and only those
@@ -360,7 +438,8 @@ class SecAggRound:
         """Below the threshold (or undecodable): no update this round, every sampled site told why."""
         detail = str(err)
         for node, name in st.names.items():  # name the sites the library calls by id
-            detail = detail.replace(f"client {node}", f"site {name}").replace(str(node), name)
+            if node in st.ids:
+                detail = detail.replace(f"client {st.ids[node]}", f"site {name}").replace(str(st.ids[node]), name)
         reason = f"secure aggregation aborted in stage {st.stage} ({STAGE_NAMES.get(st.stage, '?')}): {detail}"
         st.info.update(stage=st.stage, aborted=reason)
         for name in st.names.values():
@@ -368,3 +447,82 @@ class SecAggRound:
         st.out.per_site, st.out.mean, st.out.count = {}, None, 0
         st.inp.log(f"round {st.inp.round}: {reason}; the global model is unchanged, the next round starts afresh")
         return st.out
+
+
+def setups_plan(st: SecAggState) -> RoundPlan:
+    """The plan of the round in progress."""
+    assert st.setups is not None and st.setups.plan is not None
+    return st.setups.plan
+
+
+class SetupRider:
+    """Asks the members of a coming round's plan for their setups, on whatever messages go out
+    (see strategy.Rider), and verifies each setup as it arrives."""
+
+    def __init__(self, strategy: SecAggRound, setups: RoundSetups, names: Callable[[int], str | None],
+                 candidates: Callable[[], list[int]]):
+        self.strategy, self.setups, self.names, self.candidates = strategy, setups, names, candidates
+        self.members = {m.name for m in setups.plan.members} if setups.plan is not None else set()
+        self.asked: set[int] = set()
+        self.record = None if setups.plan is None else request_record(
+            SETUP, setups.plan.ctx, strategy.config_json, setups.plan.encode())
+
+    def _needs(self, node: int) -> bool:
+        name = self.names(node)
+        if self.record is None or node in self.asked:
+            return False
+        if name is None:  # discovery: the node has not said who it is yet; the plan is the same for all
+            return True
+        return name in self.members and name not in self.setups.setups and name not in self.setups.missing
+
+    def records(self, node: int) -> dict:
+        """The plan, to a member that has not sent its setup yet."""
+        if not self._needs(node):
+            return {}
+        self.asked.add(node)
+        self.setups.asked.add(node)
+        return {SECAGG_SETUP: self.record}
+
+    def wanted(self) -> list[int]:
+        """Members that still owe their setup and were not asked in a message still in flight."""
+        return [n for n in self.candidates() if self.names(n) is not None and self._needs(n)]
+
+    def take(self, node: int, reply: Message | None) -> None:
+        """Verify and keep a setup (or note why there is none)."""
+        if node not in self.asked:
+            return
+        if reply is None:
+            self.asked.discard(node)  # no answer yet: a later message may ask again
+            return
+        content = reply.content if reply.has_content() else None
+        status = content.config_records.get(STATUS) if content is not None else None
+        name = self.names(node) or (str(status["site"]) if status is not None and "site" in status else None)
+        if name is None or name not in self.members:
+            return
+        rec = content.config_records.get(SECAGG_SETUP) if content is not None else None
+        if rec is None:  # the message failed (or a reply without the record): asked again if another goes out
+            self.asked.discard(node)
+            return
+        plan = self.setups.plan
+        try:
+            if "error" in rec:
+                self.setups.missing[name] = f"the site could not set up: {rec['error']}"
+                return
+            rec = check_reply(reply, SETUP, plan.ctx, key=SECAGG_SETUP)
+            data, advert = reply_bytes(rec), reply_bytes(rec, "advert")
+            me = member_id(name)
+            setup = secagg_wire.decode_setup(plan.ctx, data, me)
+            if secagg_wire.decode_advert(plan.ctx, advert, me).s_pk != setup.s_pk:
+                raise ProtocolViolationError("the signed advert is not the setup's mask key")
+            sigs = self.strategy.sigs
+            sigs.check(signature_of(rec), data, plan.ctx, SETUP, name)
+            advert_sig = signature_of(rec, "advert_")
+            sigs.check(advert_sig, advert, plan.ctx, 1, name)
+        except SecAggMessageError as err:
+            reason = rejection_reason(err)
+            self.setups.rejections[reason] += 1
+            self.setups.missing[name] = f"rejected {reason}: setup: {err}"
+            return
+        self.setups.setups[name] = (data, advert_sig)
+        self.setups.missing.pop(name, None)
+

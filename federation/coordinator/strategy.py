@@ -13,11 +13,14 @@ Modelled on Flower's `Strategy.configure_train` / `aggregate_train` (messages in
 dataclass).
 
 Because each strategy writes and reads only its own records (protocol/message_keys.py), stages of
-different strategies addressed to the same sites can share one message: the driver would send the
-union of their contents and hand each reply to both. That is how evaluation and attestation can
-ride on the train message without either knowing. State that must outlive a round lives on the
-strategy object (Admission.until) or the driver (model, optimizer, downlink reference), never in
-a round's state, so a checkpoint of those is a checkpoint of the run.
+different strategies addressed to the same sites share one message: a `Rider` adds its records to
+the messages of whatever stage runs (and may ask for a message of its own to sites the stage does
+not address), and sees every reply. That is how attestation (admission.py), the next SecAgg
+round's setup (secagg_round.SetupRider) and evaluation (evaluation.py) ride on the train and
+unmask messages without any of them knowing. State that must outlive a round lives on the strategy
+object (Admission's verdicts, SecAggRound's pending setups) or the driver (model, optimizer,
+downlink reference), never in a round's state; each such object says whether a resumed run may
+restore it.
 """
 
 from __future__ import annotations
@@ -81,6 +84,10 @@ class ExchangeResult:
     bytes_down: int = 0  # array bytes of the messages sent
     bytes_up: int = 0  # array bytes of the good replies
     seconds: float = 0.0
+    push_s: float = 0.0  # building and pushing the messages
+    wait_s: float = 0.0  # waiting for replies (the sites' work, Flower's delivery, our polling)
+    receive_s: float = 0.0  # folding replies as they arrive (decoding, summing)
+    by_node: dict[int, float] = field(default_factory=dict)  # node -> seconds until its reply was pulled
 
 
 @dataclass(frozen=True)
@@ -94,6 +101,25 @@ class Step(Generic[S]):
     configure: Callable[[S], Exchange | None]
     aggregate: Callable[[S, ExchangeResult], None]
     receive: Callable[[S, Reply], None] | None = None
+
+
+class Rider(Protocol):
+    """Rides on the messages of other strategies' stages (see the module docstring).
+
+    For every message the driver sends in a stage it asks each rider for records to add; rider
+    records for a site the stage does not address (`wanted`) go in a query of their own, which
+    the stage does not wait for (its reply is taken whenever it is pulled, until the driver ends
+    the rider). Every reply the driver pulls, good or failed, is shown to every rider (`take`;
+    None: the message got no reply by the stage's deadline)."""
+
+    def records(self, node: int) -> dict:
+        """Records to add to the message to `node` (key -> ConfigRecord), maybe none."""
+
+    def wanted(self) -> list[int]:
+        """Nodes that need a message now although the stage sends them none."""
+
+    def take(self, node: int, reply: Message | None) -> None:
+        """A reply of `node` (None: none came in time)."""
 
 
 class Strategy(Protocol[S, O]):
@@ -165,7 +191,7 @@ def site_metrics(reply: Reply) -> dict:
     m = dict(reply.message.content.metric_records.get(keys.METRICS, {}))
     out = {"loss": m.get("loss"), "samples": int(st["num_examples"]), "seconds": m.get("train_s"),
            "relay_s": m.get("relay_s"), "rank_digests": list(st.get("rank_digests", []))}
-    for key in ("upload_bytes", "dense_bytes", "encode_s", "state_arrays_in"):
+    for key in ("upload_bytes", "dense_bytes", "encode_s", "state_arrays_in", "train_call_s", "evaluate_call_s"):
         if key in m:
             out[key] = m[key]
     pii = counts_from_metrics(m)  # the site's PII findings per entity type: counts only

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from crypto.pki import CoordinatorBundle, provision
 from federation.config.schema import ConfigError, load_config
-from federation.ops import export_cmd, launcher, scrub_cmd
+from federation.ops import export_cmd, launcher, report_cmd, scrub_cmd
 from site_trainer.launch import RendezvousUnreachable, check_node_rank, wait_for_rendezvous
 
 
@@ -34,6 +34,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
               f"(logs: {result['workdir']}/logs)", file=sys.stderr)
         return 1
     print(f"checkpoints and metrics in {result['workdir']}")
+    print(report_cmd.report_after_run(result["workdir"]))
     print(launcher.result_line(result))
     return 0
 
@@ -224,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "join (default: deadlines.trainer_start_s)")
     scrub_cmd.add_parser(sub)
     export_cmd.add_parser(sub)
+    report_cmd.register(sub)
     return p
 
 

@@ -5,31 +5,34 @@ module of federation/ takes its keys from here (as Flower's SecAgg+ takes its ow
 `secaggplus_constants.py`). Plain strings and ints: imports nothing.
 
 A train or evaluate message (coordinator -> site) carries CONFIG and GLOBAL, plus DOWNLINK when a
-downlink codec is on, SECAGG in a secure-aggregation round's train message (stage 3), and ATTEST
-in the query messages of attested admission. Every reply (site -> coordinator) carries STATUS; a
-train reply adds METRICS and either UPDATE + UPDATE_META (plain rounds) or SECAGG_CHUNKS + SECAGG
-(masked input).
+downlink codec is on, SECAGG in a secure-aggregation round's train message (stage 3). Any message
+may carry ATTEST (attested admission, both ways) and SECAGG_SETUP (the plan of a coming SecAgg
+round), whose answers ride back in the reply under the same keys; the discovery query carries
+DISCOVER. Every reply (site -> coordinator) carries STATUS; a train reply adds METRICS and either
+UPDATE + UPDATE_META (plain rounds) or SECAGG_CHUNKS + SECAGG (masked input).
 """
 
 # coordinator -> site
 CONFIG = "config"  # ConfigRecord: the typed round config (round_config.RoundConfig)
 GLOBAL = "global"  # ArrayRecord: the global model, or the downlink steps towards it
 DOWNLINK = "downlink"  # ConfigRecord: how GLOBAL applies to the model a site holds (downlink_steps.py)
-SECAGG = "secagg"  # ConfigRecord: a SecAgg+ request, and the site's reply to it (secagg_records.py)
-ATTEST = "attest"  # ConfigRecord: a step of attested admission (coordinator/admission.py)
+SECAGG = "secagg"  # ConfigRecord: a SecAgg+ stage-3 or -4 request, and the reply (secagg_records.py)
+SECAGG_SETUP = "secagg_setup"  # ConfigRecord: a coming round's plan, and the site's setup for it
+ATTEST = "attest"  # ConfigRecord: attested admission, both ways (coordinator/admission.py)
+DISCOVER = "discover"  # ConfigRecord: site discovery (who are you, how much data)
 
 # site -> coordinator
 STATUS = "status"  # ConfigRecord: site, ok, error, and what the message type adds (num_examples, ...)
 METRICS = "metrics"  # MetricRecord: the site's figures for the round's metrics line
 UPDATE = "update"  # ArrayRecord: the update, after the site's pipeline (codec, envelope)
 UPDATE_META = "update_meta"  # ConfigRecord: the update's metadata
-SECAGG_CHUNKS = "secagg_chunks"  # ArrayRecord: one uint32 Array per masked chunk, keyed by word offset
+SECAGG_CHUNKS = "secagg_chunks"  # ArrayRecord: one packed uint8 Array per masked chunk, keyed by word offset
 
 # fields of STATUS
 MODEL_DIGEST = "model_digest"  # the model a site holds after a downlink message
 MANIFEST = "manifest"  # discovery reply: the site's base-model manifest, JSON (coordinator/manifest_check.py)
 
-# SecAgg+ stages (crypto/secagg): 1, 2 and 4 travel in query messages, 3 in the train message
-ADVERTISE, SHARE_KEYS, MASKED_INPUT, UNMASK = 1, 2, 3, 4
-STAGE_NAMES = {ADVERTISE: "advertise keys", SHARE_KEYS: "share keys", MASKED_INPUT: "masked input",
-               UNMASK: "unmask"}
+# SecAgg+ steps (crypto/secagg): the setup of round r rides on a message of round r - 1 (or on
+# discovery), the masked input on round r's train message, the unmask on a query
+SETUP, MASKED_INPUT, UNMASK = 2, 3, 4
+STAGE_NAMES = {SETUP: "setup", MASKED_INPUT: "masked input", UNMASK: "unmask"}

@@ -32,6 +32,8 @@ class RoundConfig(BaseModel):
     codec: str = Field("identity", description="the update codec spec (federation.codec)")
     error_feedback: bool = Field(True, description="keep what a lossy codec did not send for the next round")
     seal: bool = Field(False, description="seal the update to the coordinator's key")
+    evaluate: bool = Field(False, description="evaluate the received global model before training; the "
+                           "figures ride back with the update")
     deadline_s: float = Field(300.0, gt=0, description="the site must answer within this (ClientApp start-up included)")
 
     def to_record(self) -> ConfigRecord:

@@ -1,20 +1,24 @@
 """The SecAgg+ messages on Flower's Message API, both halves of the format.
 
-  stage  message  coordinator -> site (SECAGG record)          site -> coordinator
-  1      query    round context, config (JSON)                 SECAGG: public keys (advert bytes)
-  2      query    the neighbours' adverts, + `relayed`: their  SECAGG: Shamir shares of b_u and s_u,
-                  advert signatures                            sealed to each neighbour
-  3      train    the global model + CONFIG (as in a plain     SECAGG_CHUNKS: one uint32 Array per
-                  round) + SECAGG: the envelopes addressed to  masked chunk, keyed by its word offset
-                  this site, its `weight`, `vector_len`        (4 bytes per parameter), + SECAGG
-  4      query    survivors / dropped neighbours               SECAGG: seed shares of survivors, key
-                                                               shares of dropped neighbours
+  record         in                           coordinator -> site               site -> coordinator
+  SECAGG_SETUP   any message of round r - 1   round r's plan (members, their    `data`: the site's setup
+                 (train, unmask, a prepare    channel keys), config             (mask key, commitment,
+                 query) or discovery                                            sealed shares) + `advert`,
+                                                                                both signed; or `error`
+  SECAGG         train message of round r     stage 3: the ring, the live       SECAGG_CHUNKS: one uint8
+                 (with the model and CONFIG)  neighbours' keys and envelopes,   Array per masked chunk,
+                                              their advert signatures           packed at the ring's bits,
+                                              (`relayed`), `weight`,            keyed by its word offset;
+                                              `vector_len`                      + the signed manifest
+  SECAGG         query of round r             stage 4: survivors / dropped      seed shares of survivors,
+                                                                                key shares of dropped ones
 
 Every request record holds: stage, round, run (the SecAgg round context's run id,
-"<federation>/<flower run id>"), graph_seed (32 bytes), config (the SecAggConfig as JSON) and, from
-stage 2 on, request (the crypto library's request bytes). Replies echo stage, round and ctx (the
-SHA-256 of the round context), carry `data` (stages 1, 2, 4) and, from a site with a bundle,
-`sig_header` + `sig`: its Ed25519 signature over the content (stage 3: the manifest of its chunks).
+"<federation>/<flower run id>"), graph_seed (32 bytes), config (the SecAggConfig as JSON) and
+request (the crypto library's bytes: the plan, the masked-input or the unmask request). Replies
+echo stage, round and ctx (the SHA-256 of the round context), carry `data` (setup, unmask) and, from
+a site with a bundle, `sig_header` + `sig`: its Ed25519 signature over the content (stage 3: the
+manifest of its chunks), and for a setup `advert_sig_header` + `advert_sig` over its advert.
 The coordinator writes requests and reads replies (coordinator/secagg_round.py); the site reads
 requests and writes replies (site/secagg_mod.py). numpy + flwr + crypto only.
 """
@@ -27,7 +31,7 @@ import numpy as np
 from flwr.app import ConfigRecord, Message
 
 import crypto.secagg as secagg
-from crypto.secagg import MalformedMessageError, ReplayedMessageError
+from crypto.secagg import MalformedMessageError, ReplayedMessageError, ring
 from crypto.secagg.signing import Signature
 from federation.protocol import message_keys as keys
 
@@ -42,14 +46,14 @@ def context_run_id(federation: str, flower_run_id: int) -> str:
 # ---- coordinator -> site --------------------------------------------------------------------------
 def request_record(stage: int, ctx: secagg.RoundContext, config_json: str, request: bytes = b"",
                    **extra) -> ConfigRecord:
-    """The SECAGG record of a stage's request to one site."""
+    """The record of a stage's request to one site (SECAGG, or SECAGG_SETUP for stage SETUP)."""
     return ConfigRecord({"stage": stage, "round": ctx.round, "run": ctx.run_id, "graph_seed": ctx.graph_seed,
                          "config": config_json, "request": request, **extra})
 
 
 @dataclass(frozen=True)
 class Request:
-    """A SECAGG request as the site reads it, checked to belong to this Flower run."""
+    """A SecAgg request as the site reads it, checked to belong to this Flower run."""
 
     stage: int
     ctx: secagg.RoundContext
@@ -58,11 +62,11 @@ class Request:
     record: ConfigRecord
 
     @classmethod
-    def parse(cls, msg: Message) -> "Request":
-        """The request of `msg`, or a SecAggMessageError naming what is wrong with it."""
-        rec = msg.content.config_records.get(keys.SECAGG)
+    def parse(cls, msg: Message, key: str = keys.SECAGG) -> "Request":
+        """The request under `key` in `msg`, or a SecAggMessageError naming what is wrong with it."""
+        rec = msg.content.config_records.get(key)
         if rec is None:
-            raise MalformedMessageError(f"no '{keys.SECAGG}' record in the message")
+            raise MalformedMessageError(f"no '{key}' record in the message")
         try:
             stage, rnd, run = int(rec["stage"]), int(rec["round"]), str(rec["run"])
             seed, config, request = rec["graph_seed"], str(rec["config"]), rec.get("request", b"")
@@ -71,8 +75,8 @@ class Request:
             ctx = secagg.RoundContext(run, rnd, seed)
         except (KeyError, TypeError, ValueError) as err:
             raise MalformedMessageError(f"secagg request is malformed ({type(err).__name__}: {err})") from None
-        if stage not in keys.STAGE_NAMES:
-            raise MalformedMessageError(f"unknown secagg stage {stage}")
+        if stage not in keys.STAGE_NAMES or (stage == keys.SETUP) != (key == keys.SECAGG_SETUP):
+            raise MalformedMessageError(f"secagg stage {stage} in record '{key}'")
         if not run.endswith(f"/{int(msg.metadata.run_id)}"):
             raise ReplayedMessageError(f"secagg request for run {run!r}, this is Flower run {msg.metadata.run_id}")
         return cls(stage, ctx, config, request, rec)
@@ -85,18 +89,18 @@ def chunk_key(offset: int) -> str:
 
 # ---- site -> coordinator --------------------------------------------------------------------------
 def reply_record(req: Request, sig: Signature | None, **extra) -> ConfigRecord:
-    """The SECAGG record of a site's reply to `req`, signed when `sig` is given."""
+    """The record of a site's reply to `req`, signed when `sig` is given."""
     rec = ConfigRecord({"stage": req.stage, "round": req.ctx.round, "ctx": req.ctx.digest(), **extra})
     if sig is not None:
         rec["sig_header"], rec["sig"] = sig.header, sig.signature
     return rec
 
 
-def check_reply(reply: Message, stage: int, ctx: secagg.RoundContext) -> ConfigRecord:
-    """The reply's SECAGG record, if it answers this stage of this round; else a SecAggMessageError."""
-    rec = reply.content.config_records.get(keys.SECAGG)
+def check_reply(reply: Message, stage: int, ctx: secagg.RoundContext, key: str = keys.SECAGG) -> ConfigRecord:
+    """The reply's record under `key`, if it answers this stage of this round; else a SecAggMessageError."""
+    rec = reply.content.config_records.get(key) if reply.has_content() else None
     if rec is None:
-        raise MalformedMessageError(f"stage-{stage} reply without a '{keys.SECAGG}' record")
+        raise MalformedMessageError(f"stage-{stage} reply without a '{key}' record")
     try:
         if not isinstance(rec["ctx"], bytes):
             raise TypeError("ctx must be bytes")
@@ -109,54 +113,66 @@ def check_reply(reply: Message, stage: int, ctx: secagg.RoundContext) -> ConfigR
     return rec
 
 
-def reply_bytes(rec: ConfigRecord) -> bytes:
-    """The `data` of a stage-1, -2 or -4 reply."""
-    data = rec.get("data")
+def reply_bytes(rec: ConfigRecord, field: str = "data") -> bytes:
+    """The `data` (or another bytes field) of a reply."""
+    data = rec.get(field)
     if not isinstance(data, bytes):
-        raise MalformedMessageError("reply record has no 'data' bytes")
+        raise MalformedMessageError(f"reply record has no '{field}' bytes")
     return data
 
 
-def signature_of(rec: ConfigRecord) -> Signature | None:
-    """The reply's signature fields, None when it has none."""
-    header, sig = rec.get("sig_header"), rec.get("sig")
+def signature_of(rec: ConfigRecord, prefix: str = "") -> Signature | None:
+    """The reply's signature fields (`<prefix>sig_header`, `<prefix>sig`), None when it has none."""
+    header, sig = rec.get(prefix + "sig_header"), rec.get(prefix + "sig")
     if header is None and sig is None:
         return None
     if not isinstance(header, bytes) or not isinstance(sig, bytes):
-        raise MalformedMessageError("reply signature fields sig_header / sig are not bytes")
+        raise MalformedMessageError(f"reply signature fields {prefix}sig_header / {prefix}sig are not bytes")
     return Signature(header, sig)
 
 
-def parse_chunks(reply: Message, length: int, bits: int) -> list[tuple[int, np.ndarray]]:
+@dataclass(frozen=True)
+class Chunk:
+    """One masked chunk of a stage-3 reply: its word offset, its words and its bytes on the wire."""
+
+    offset: int
+    words: np.ndarray  # uint32, each < 2^bits
+    packed: np.ndarray  # uint8, what travelled (and what the manifest hashes)
+
+
+def parse_chunks(reply: Message, length: int, bits: int) -> list[Chunk]:
     """All masked chunks of a stage-3 reply, validated before any is added to the sum.
 
-    They must be 1-D uint32 arrays, keyed by their word offset, that tile [0, length) exactly with
-    words inside Z_2^bits: a site's vector is added whole or not at all (a partial one could not
-    be taken out of the sum again)."""
+    They must be 1-D uint8 arrays, keyed by their word offset, that tile [0, length) exactly, each
+    holding its words packed at `bits` bits with zero padding (ring.unpack_words): a site's vector
+    is added whole or not at all (a partial one could not be taken out of the sum again)."""
     rec = reply.content.array_records.get(keys.SECAGG_CHUNKS)
     if rec is None:
         raise MalformedMessageError(f"stage-3 reply without a '{keys.SECAGG_CHUNKS}' array record")
-    chunks = []
+    arrays = []
     for key, arr in rec.items():
         if not (isinstance(key, str) and key.isdigit() and len(key) <= 2 * OFFSET_DIGITS):
             raise MalformedMessageError(f"masked chunk key {key!r} is not a word offset")
-        if arr.dtype != "uint32" or len(arr.shape) != 1:
-            raise MalformedMessageError(f"masked chunk {key} is {arr.dtype} {tuple(arr.shape)}, expected 1-D uint32")
+        if arr.dtype != "uint8" or len(arr.shape) != 1:
+            raise MalformedMessageError(f"masked chunk {key} is {arr.dtype} {tuple(arr.shape)}, expected 1-D uint8")
         try:
-            words = arr.numpy()
+            packed = arr.numpy()
         except Exception as err:  # hostile bytes: whatever numpy raises while parsing them
             raise MalformedMessageError(f"masked chunk {key} does not parse ({type(err).__name__})") from None
-        if words.dtype != np.uint32 or words.ndim != 1 or words.shape[0] == 0:
-            raise MalformedMessageError(f"masked chunk {key} holds {words.dtype} {words.shape}")
-        chunks.append((int(key), words))
-    chunks.sort(key=lambda c: c[0])
-    pos = 0
-    for off, words in chunks:
-        if off != pos:
-            raise MalformedMessageError(f"masked chunks leave a gap or overlap at word {min(off, pos)}")
-        pos += words.shape[0]
-        if bits < 32 and int(words.max()) >> bits:
-            raise MalformedMessageError(f"masked chunk at {off} holds words outside Z_2^{bits}")
-    if pos != length:
-        raise MalformedMessageError(f"masked chunks cover {pos} words, the round's vector has {length}")
+        if packed.dtype != np.uint8 or packed.ndim != 1 or packed.shape[0] == 0:
+            raise MalformedMessageError(f"masked chunk {key} holds {packed.dtype} {packed.shape}")
+        arrays.append((int(key), packed))
+    arrays.sort(key=lambda c: c[0])
+    if not arrays or arrays[0][0] != 0:
+        raise MalformedMessageError("masked chunks leave a gap at word 0")
+    chunks = []
+    for i, (off, packed) in enumerate(arrays):
+        end = arrays[i + 1][0] if i + 1 < len(arrays) else length
+        if end <= off or end > length:
+            raise MalformedMessageError(f"masked chunks overlap or run past the vector's {length} words at word {off}")
+        try:
+            words = ring.unpack_words(packed, bits, end - off)
+        except ValueError as err:
+            raise MalformedMessageError(f"masked chunk at {off} does not cover words [{off}, {end}) exactly: {err}") from None
+        chunks.append(Chunk(off, words, packed))
     return chunks

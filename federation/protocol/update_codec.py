@@ -71,3 +71,15 @@ class CodecStage:
             raise UpdateRejected(f"codec_{type(err).__name__}", str(err)) from None
         self.decode_s += time.perf_counter() - t0
         return Payload(update, rest)
+
+
+def secagg_levels(spec: str, clip: float) -> int | None:
+    """The levels of the integer grid a codec puts its values on, when that grid is the one SecAgg's
+    fixed point would use: a clip-and-scale integer coder (int8: 2 * 127 steps) over the same clip
+    as secure aggregation. Then the ring can be chosen from those levels (crypto.secagg.config) and
+    encoding adds no rounding. None for float values or another clip."""
+    values = parse_codec(spec).values
+    qmax, vclip = getattr(values, "qmax", None), getattr(values, "clip", None)
+    if qmax is None or vclip is None or not np.isclose(float(vclip), float(clip), rtol=1e-12, atol=0.0):
+        return None
+    return 2 * int(qmax)

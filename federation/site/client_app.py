@@ -5,12 +5,15 @@ never imported: the trainer is the site trainer service, reached over a Unix soc
 shared memory (trainer_call.py). Each concern of the site is one mod, outermost first:
 
   SiteScope         one SiteEnv per message (keys, settings, round config, trainer, store), relay_s
-  attestation_mod   answers attestation queries; refuses train messages until the coordinator is trusted
-  secagg_mod        answers SecAgg stages 1, 2, 4; masks the update of a stage-3 train message
+  attestation_mod   answers the attestation record of any message; refuses train messages until the
+                    coordinator is trusted
+  secagg_mod        sets up coming SecAgg rounds, masks the update of a train message (stage 3),
+                    answers unmask queries (stage 4)
   protection_mod    signs (and seals) the update of a plain train message
   downlink_mod      rebuilds the global model from the model the site holds; reports its digest
   codec_mod         compresses the update with error feedback (residual in the site store)
-  train / evaluate / query   the bare calls: the trainer, and site discovery (Info)
+  train / evaluate / query   the bare calls: the trainer (a train message first evaluates the model
+                    it received when the round config says `evaluate`), and site discovery (Info)
 
 On the way in a message passes the mods top-down; the reply passes them bottom-up, so the update
 the trainer returns is encoded, then enveloped or masked. Every failure becomes a reply that names
@@ -20,6 +23,7 @@ the site and says what went wrong (or, in SecAgg stage 3, a Flower error reply).
 from __future__ import annotations
 
 import json
+import time
 
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -43,8 +47,11 @@ def service_trainer(env: SiteEnv) -> ServiceTrainer:
 
 
 def query(msg: Message, context: Context) -> Message:
-    """Site discovery: who this site is, how much data it trains on and its base-model manifest."""
+    """Site discovery (a DISCOVER record): who this site is, how much data it trains on and its
+    base-model manifest. Any other query only carries records the mods answer."""
     env = site_env(context)
+    if keys.DISCOVER not in msg.content.config_records:
+        return Message(RecordDict({keys.STATUS: status(env.site, True)}), reply_to=msg)
     try:
         info = env.trainer.info()
     except TrainerFailed as err:
@@ -55,15 +62,21 @@ def query(msg: Message, context: Context) -> Message:
                                                    ranks=info["ranks"], **manifest)}), reply_to=msg)
 
 
-def _trainer_call(msg: Message, context: Context, method: str) -> tuple[SiteEnv, TrainResult | EvalResult | Message]:
-    """Call the trainer's `method` on the round's model: the one the downlink mod prepared, or the
-    message's dense model (then a temporary copy, released here). A failure is the reply to send."""
+def _trainer_call(msg: Message, context: Context, *methods: str) -> tuple[SiteEnv, list[TrainResult | EvalResult] | Message]:
+    """Call the trainer's `methods`, in order, on the round's model: the one the downlink mod
+    prepared, or the message's dense model (then a temporary copy, released here). A failure is
+    the reply to send."""
     env = site_env(context)
     model, owned = env.global_model, False
     if model is None:
         model, owned = dense_global(msg.content, env.site), True
     try:
-        return env, getattr(env.trainer, method)(model, env.config)
+        out = []
+        for m in methods:
+            t0 = time.perf_counter()
+            out.append(getattr(env.trainer, m)(model, env.config))
+            out[-1].metrics[f"{m}_call_s"] = time.perf_counter() - t0
+        return env, out
     except TrainerFailed as err:
         return env, fail(msg, env.site, str(err))
     finally:
@@ -72,25 +85,33 @@ def _trainer_call(msg: Message, context: Context, method: str) -> tuple[SiteEnv,
 
 
 def train(msg: Message, context: Context) -> Message:
-    """The bare train call: the trainer's update, dense, in the reply (the mods encode it)."""
-    env, res = _trainer_call(msg, context, "train")
+    """The bare train call: the trainer's update, dense, in the reply (the mods encode it). With
+    `evaluate` in the round config the received model is evaluated first, on the site's held-out
+    data, and those figures ride back with the update (no separate evaluate message)."""
+    evaluate_first = site_env(context).config.evaluate
+    env, res = _trainer_call(msg, context, *(("evaluate", "train") if evaluate_first else ("train",)))
     if isinstance(res, Message):
         return res
-    out = to_records(Payload(res.update), keys.UPDATE, keys.UPDATE_META)
-    dense = float(sum(a.nbytes for a in res.update.values()))
-    out[keys.STATUS] = status(env.site, True, num_examples=res.num_examples, rank_digests=res.rank_digests)
-    out[keys.METRICS] = MetricRecord({**res.metrics, "dense_bytes": dense, "upload_bytes": dense})
+    trained = res[-1]
+    out = to_records(Payload(trained.update), keys.UPDATE, keys.UPDATE_META)
+    dense = float(sum(a.nbytes for a in trained.update.values()))
+    out[keys.STATUS] = status(env.site, True, num_examples=trained.num_examples, rank_digests=trained.rank_digests)
+    metrics = {**trained.metrics, "dense_bytes": dense, "upload_bytes": dense}
+    if evaluate_first:  # the evaluation's figures (not its load_s: the train call reports its own)
+        metrics.update({k: v for k, v in res[0].metrics.items() if k != "load_s"})
+    out[keys.METRICS] = MetricRecord(metrics)
     return Message(out, reply_to=msg)
 
 
 def evaluate(msg: Message, context: Context) -> Message:
-    """The bare evaluate call: the trainer's figures on the site's held-out data."""
+    """The bare evaluate call: the trainer's figures on the site's held-out data (the run's final
+    model; each round's model is evaluated at the start of the next train message)."""
     env, res = _trainer_call(msg, context, "evaluate")
     if isinstance(res, Message):
         return res
-    return Message(RecordDict({keys.STATUS: status(env.site, True, num_examples=res.num_examples,
-                                                   rank_digests=res.rank_digests),
-                               keys.METRICS: MetricRecord(dict(res.metrics))}), reply_to=msg)
+    return Message(RecordDict({keys.STATUS: status(env.site, True, num_examples=res[0].num_examples,
+                                                   rank_digests=res[0].rank_digests),
+                               keys.METRICS: MetricRecord(dict(res[0].metrics))}), reply_to=msg)
 
 
 def build_client_app(trainer_for: TrainerFactory = service_trainer) -> ClientApp:

@@ -42,23 +42,27 @@ def _framed(header: bytes, body: bytes = b"\0" * 64) -> bytes:
     return struct.pack(">I", len(header)) + header + body
 
 
-def _secagg(kind: str, body: bytes) -> bytes:
-    """A SecAgg+ message header of this round addressed to or from ME, then ``body``."""
+def _secagg(kind: str, body: bytes, addressed: bool = True) -> bytes:
+    """A SecAgg+ message header of this round (addressed to or from ME unless `addressed` is
+    False: the plan goes to every member alike), then ``body``."""
     from crypto.secagg.wire import MAGIC, MsgType
 
     from .fixtures import ME, SECAGG_CTX
 
     rid = SECAGG_CTX.run_id.encode()
     return (MAGIC + bytes([MsgType[kind]]) + bytes([len(rid)]) + rid + struct.pack(">Q", SECAGG_CTX.round)
-            + struct.pack(">Q", ME) + body)
+            + (struct.pack(">Q", ME) if addressed else b"") + body)
 
 
-def _big_roster() -> bytes:
+def _big_plan() -> bytes:
     from crypto.secagg import wire
+    from crypto.secagg.keys import public_from_private
 
-    from .fixtures import ME, SECAGG_CTX
+    from .fixtures import ME, SECAGG_CTX, secagg_round, site_of
 
-    return wire.encode_share_keys_request(SECAGG_CTX, ME, sorted({*range(8192), ME}), [])
+    own = public_from_private(secagg_round().channel_private)
+    return wire.encode_plan(SECAGG_CTX, [wire.PlanMember(i, site_of(i), own if i == ME else (i + 1).to_bytes(32, "big"))
+                                         for i in sorted({*range(8192), ME})])
 
 
 def _seed_fields() -> tuple[bytes, bytes, bytes]:
@@ -103,15 +107,16 @@ def claims() -> list[tuple[str, str, Callable[[], Any]]]:
         ("envelope signature given as the int 2**40", "envelope-fields", lambda: (_seed_fields()[0], HUGE, b"")),
         ("envelope body given as the int 2**40 (genuine header)", "envelope-fields",
          lambda: (*_seed_fields()[:2], HUGE)),
-        ("share-keys request roster count 2**32-1", "secagg-share-keys-request",
-         lambda: _secagg("SHARE_KEYS_REQUEST", struct.pack(">I", u32max) + b"\0" * 64)),
-        ("share-keys request advert count 2**20 (at the cap)", "secagg-share-keys-request",
-         lambda: _secagg("SHARE_KEYS_REQUEST", struct.pack(">I", 1) + struct.pack(">Q", 5) + struct.pack(">I", 2**20))),
-        ("share-keys request naming 8192 clients (64 KiB): one neighbour row, not the n x n graph",
-         "secagg-share-keys-request", _big_roster),
-        ("share-keys reply envelope blob 2**32-1 bytes", "secagg-share-keys-reply",
-         lambda: _secagg("SHARE_KEYS_REPLY", b"\0" * 32 + struct.pack(">I", 1) + struct.pack(">Q", 2)
+        ("plan member count 2**32-1", "secagg-plan",
+         lambda: _secagg("PLAN", struct.pack(">I", u32max) + b"\0" * 64, addressed=False)),
+        ("plan naming 8192 clients (420 KiB): one neighbour row, not the n x n graph", "secagg-plan", _big_plan),
+        ("masked-input request relayed count 2**20 (at the cap)", "secagg-masked-input-request",
+         lambda: _secagg("MASKED_INPUT_REQUEST", bytes([16]) + struct.pack(">II", 256, 10) + struct.pack(">I", 2**20))),
+        ("setup envelope blob 2**32-1 bytes", "secagg-setup",
+         lambda: _secagg("SETUP", b"\0" * 64 + struct.pack(">I", 1) + struct.pack(">Q", 2)
                          + struct.pack(">I", u32max) + b"\0" * 40)),
+        ("packed masked words: 2**32-1 words claimed in 64 bytes", "secagg-packed-words",
+         lambda: bytes([8]) + struct.pack(">I", u32max) + b"\0" * 64),
         ("unmask reply share count 2**32-1", "secagg-unmask-reply",
          lambda: _secagg("UNMASK_REPLY", struct.pack(">I", u32max))),
         ("unmask request survivor count 2**32-1", "secagg-unmask-request",

@@ -20,7 +20,7 @@ from crypto.envelope import Envelope, ReplayGuard, make_envelope, open_envelope
 from crypto.pki import TrustStore
 from crypto.pki.manifest import parse_manifest, parse_signed_registry
 from crypto.pki.revocation import parse_verified_crl
-from crypto.secagg import signing, wire
+from crypto.secagg import RoundPlan, SecAggClient, ring, signing, wire
 
 from . import fixtures as fx
 from .mutate import PROGRAM, apply_byte_program, as_text, mutated_bytes, mutated_json
@@ -96,21 +96,29 @@ def envelope_fields_seed(blob: bytes) -> tuple[Any, Any, Any]:
 
 
 def decode_advert(data: bytes) -> object:
-    return fx.secagg_round().server_at(1).receive_advert(fx.ME, data)
+    """ME's signed advert as the coordinator reads it next to ME's setup."""
+    return wire.decode_advert(fx.SECAGG_CTX, data, fx.ME)
 
 
-def decode_share_keys_request(data: bytes) -> object:
-    return fx.secagg_round().client_at(2).share_keys(data)
+def decode_plan(data: bytes) -> object:
+    """A round's plan as ME's site receives it, then ME's setup from it (a hostile coordinator's plan)."""
+    r = fx.secagg_round()
+    plan = RoundPlan.decode(fx.SECAGG_CONFIG, fx.SECAGG_CTX, data)
+    return SecAggClient.setup(fx.SECAGG_CONFIG, plan, fx.ME, r.channel_private)
 
 
-def decode_share_keys_reply(data: bytes) -> object:
-    return fx.secagg_round().server_at(2).receive_share_keys(fx.ME, data)
+def decode_setup(data: bytes) -> object:
+    return fx.secagg_round().server_at(2).receive_setup(fx.ME, data)
+
+
+def _relayed_to_me() -> tuple[wire.RingSpec, list[wire.Relayed]]:
+    return wire.decode_masked_input_request(fx.SECAGG_CTX, fx.secagg_round().requests["masked_input"], fx.ME)
 
 
 def decode_advert_signatures(data: bytes) -> object:
     r = fx.secagg_round()
-    return signing.check_relayed_adverts(r.requests["share_keys"], data, trust=r.trust, federation_id=fx.FEDERATION,
-                                         ctx=fx.SECAGG_CTX, me=fx.ME, own_site=fx.site_of(fx.ME))
+    return signing.check_relayed_adverts(_relayed_to_me()[1], data, trust=r.trust, federation_id=fx.FEDERATION,
+                                         ctx=fx.SECAGG_CTX, me=fx.ME, names={c: fx.site_of(c) for c in fx.CLIENTS})
 
 
 def decode_masked_input_request(data: bytes) -> object:
@@ -125,10 +133,29 @@ def decode_share_envelope(data: bytes) -> object:
 def decode_share_plaintext(data: bytes) -> object:
     """What a neighbour sealed to ME under their genuine channel key (a hostile neighbour's shares)."""
     r = fx.secagg_round()
-    envs = wire.decode_masked_input_request(fx.SECAGG_CTX, r.requests["masked_input"], fx.ME)
-    src = min(envs)
-    envs[src] = wire.seal_envelope(r.channel_keys[src], fx.SECAGG_CTX, src, fx.ME, data)
-    return r.client_at(3).receive_shares(wire.encode_masked_input_request(fx.SECAGG_CTX, fx.ME, envs))
+    spec, relayed = _relayed_to_me()
+    src = min(x.client for x in relayed)
+    relayed = [wire.Relayed(x.client, x.s_pk, wire.seal_envelope(r.channel_keys[src], fx.SECAGG_CTX, src, fx.ME, data))
+               if x.client == src else x for x in relayed]
+    return r.client_at(3).receive_shares(wire.encode_masked_input_request(fx.SECAGG_CTX, fx.ME, spec, relayed))
+
+
+def decode_packed_words(data: bytes) -> object:
+    """A masked chunk's packed bytes as the coordinator unpacks them: width and word count from the
+    chunk's name and the round (here from the input's first five bytes), then the site's bytes."""
+    if len(data) < 5:
+        data = data + bytes(5 - len(data))
+    bits = ring.MIN_BITS + data[0] % (ring.MAX_BITS - ring.MIN_BITS + 1)
+    return ring.unpack_words(np.frombuffer(data[5:], np.uint8), bits, int.from_bytes(data[1:5], "big"))
+
+
+def packed_words_seeds() -> list[bytes]:
+    out = []
+    for bits in (8, 12, 16, 20, 32):
+        words = (np.arange(37, dtype=np.uint64) * 2654435761) % (1 << bits)
+        out.append(bytes([bits - ring.MIN_BITS]) + len(words).to_bytes(4, "big")
+                   + ring.pack_words(words.astype(np.uint32), bits).tobytes())
+    return out
 
 
 def decode_masked_chunk(data: bytes) -> object:
@@ -176,14 +203,19 @@ def secagg_grammar(kind: str) -> st.SearchStrategy[bytes]:
     ctx, me = fx.SECAGG_CTX, st.one_of(st.just(fx.ME), _ID)
     blobs = st.dictionaries(_ID, st.binary(max_size=120), max_size=8)
     if kind == "advert":
-        return st.builds(lambda c, a, b: wire.encode_advert(ctx, wire.Advert(c, a, b)), me, _KEY32, _KEY32)
-    if kind == "share_keys_request":
-        adverts = st.lists(st.builds(wire.Advert, _ID, _KEY32, _KEY32), max_size=8)
-        return st.builds(lambda c, roster, ads: wire.encode_share_keys_request(ctx, c, roster, ads), me, _IDS, adverts)
-    if kind == "share_keys_reply":
-        return st.builds(lambda c, com, envs: wire.encode_share_keys_reply(ctx, c, com, envs), me, _KEY32, blobs)
+        return st.builds(lambda c, a: wire.encode_advert(ctx, wire.Advert(c, a)), me, _KEY32)
+    if kind == "plan":
+        names = st.one_of(st.sampled_from([fx.site_of(c) for c in fx.CLIENTS]), st.text(max_size=12))
+        members = st.lists(st.builds(wire.PlanMember, _ID, names, _KEY32), max_size=10)
+        own = wire.PlanMember(fx.ME, fx.site_of(fx.ME), _own_channel_pk())
+        return st.builds(lambda ms, mine: wire.encode_plan(ctx, ms + [own] if mine else ms), members, st.booleans())
+    if kind == "setup":
+        return st.builds(lambda c, pk, com, envs: wire.encode_setup(ctx, wire.Setup(c, pk, com, envs)),
+                         me, _KEY32, _KEY32, blobs)
     if kind == "masked_input_request":
-        return st.builds(lambda c, envs: wire.encode_masked_input_request(ctx, c, envs), me, blobs)
+        spec = st.builds(wire.RingSpec, st.integers(0, 255), st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1))
+        relayed = st.lists(st.builds(wire.Relayed, _ID, _KEY32, st.binary(max_size=120)), max_size=8)
+        return st.builds(lambda c, r, x: wire.encode_masked_input_request(ctx, c, r, x), me, spec, relayed)
     if kind == "unmask_request":
         return st.builds(lambda c, s, d: wire.encode_unmask_request(ctx, c, s, d), me, _IDS, _IDS)
     if kind == "unmask_reply":
@@ -193,6 +225,12 @@ def secagg_grammar(kind: str) -> st.SearchStrategy[bytes]:
         sigs = st.dictionaries(_ID, st.tuples(st.binary(max_size=300), st.binary(max_size=70)), max_size=6)
         return st.builds(lambda c, s: wire.encode_advert_signatures(ctx, c, s), me, sigs)
     raise KeyError(kind)
+
+
+def _own_channel_pk() -> bytes:
+    from crypto.secagg.keys import public_from_private
+
+    return public_from_private(fx.secagg_round().channel_private)
 
 
 def with_grammar(kind: str) -> Any:
@@ -214,9 +252,9 @@ def share_plaintext_strategy(seeds: Sequence[Any]) -> st.SearchStrategy[bytes]:
 
 def share_plaintext_seeds() -> list[bytes]:
     r = fx.secagg_round()
-    envs = wire.decode_masked_input_request(fx.SECAGG_CTX, r.requests["masked_input"], fx.ME)
-    src = min(envs)
-    return [wire.open_envelope(r.channel_keys[src], fx.SECAGG_CTX, src, fx.ME, envs[src])]
+    src = min(x.client for x in _relayed_to_me()[1])
+    envelope = next(x.envelope for x in _relayed_to_me()[1] if x.client == src)
+    return [wire.open_envelope(r.channel_keys[src], fx.SECAGG_CTX, src, fx.ME, envelope)]
 
 
 # -- attestation --------------------------------------------------------------------------------

@@ -97,16 +97,18 @@ def site_of(client: int) -> str:
 @dataclass(frozen=True)
 class SecAggRound:
     """One round frozen just before ME's message of each stage (server) or before ME handles the
-    request of each stage (client), with ME's genuine messages as seeds."""
+    request of each stage (client), with ME's genuine messages as seeds. Stage 2 is the setup
+    (Bonawitz et al.'s stages 1 and 2 in one message, sent one round ahead from the plan)."""
 
     server: dict[int, SecAggServer]  # stage -> server waiting for ME's message of that stage
     client_state: dict[int, bytes]  # stage -> ME's state when that stage's request arrives
-    sent: dict[str, bytes]  # ME's genuine messages ("advert", "share_keys", "unmask")
-    requests: dict[str, bytes]  # the server's genuine requests to ME ("share_keys", "masked_input", "unmask")
-    relayed: bytes  # the neighbours' advert signatures relayed to ME with stage 2
+    sent: dict[str, bytes]  # ME's genuine messages ("advert", "setup", "unmask")
+    requests: dict[str, bytes]  # the server's genuine requests to ME ("plan", "masked_input", "unmask")
+    relayed: bytes  # the neighbours' advert signatures relayed to ME with stage 3
     advert_sig: signing.Signature  # ME's signature over its advert
-    chunks: list[tuple[int, np.ndarray]]  # ME's masked input
+    chunks: list[tuple[int, np.ndarray]]  # ME's masked input (ring words)
     channel_keys: dict[int, bytes]  # neighbour -> AEAD key of the share channel with ME
+    channel_private: bytes  # ME's long-term channel key (provisioned), for the plan
     trust: TrustStore
 
     def server_at(self, stage: int) -> SecAggServer:
@@ -118,15 +120,20 @@ class SecAggRound:
 
 @functools.cache
 def secagg_round() -> SecAggRound:
-    from crypto.secagg import keys
+    from crypto.secagg import RoundPlan
+    from crypto.secagg.keys import KeyPair
 
     cfg, ctx = SECAGG_CONFIG, SECAGG_CTX
     trust = trust_store(tuple(site_of(c) for c in CLIENTS))
     rng = np.random.default_rng(0)
     with deterministic("secagg-round"):
-        clients = {c: SecAggClient(cfg, ctx, c) for c in CLIENTS}
-        server = SecAggServer(cfg, ctx, VECTOR, sampled=CLIENTS)
-        adverts = {c: clients[c].advertise_keys() for c in CLIENTS}
+        channel = {c: KeyPair.generate() for c in CLIENTS}
+        plan = RoundPlan.make(cfg, ctx, [wire.PlanMember(c, site_of(c), channel[c].public) for c in CLIENTS])
+        server = SecAggServer(cfg, plan, VECTOR)
+        made = {c: SecAggClient.setup(cfg, plan, c, channel[c].private) for c in CLIENTS}
+        clients = {c: m[0] for c, m in made.items()}
+        setups = {c: m[1] for c, m in made.items()}
+        adverts = {c: clients[c].advert() for c in CLIENTS}
         sigs = {c: signing.sign(site_key(site_of(c)), FEDERATION, site_of(c), ctx, 1, adverts[c]) for c in CLIENTS}
         servers: dict[int, SecAggServer] = {}
 
@@ -139,14 +146,9 @@ def secagg_round() -> SecAggRound:
             if mine:
                 send(ME)
 
-        deliver(1, lambda c: server.receive_advert(c, adverts[c]))
-        server.close_advertise()
-        states = {2: clients[ME].to_state()}
-        share_req = server.share_keys_request(ME)
-        replies = {c: clients[c].share_keys(server.share_keys_request(c)) for c in CLIENTS}
-        deliver(2, lambda c: server.receive_share_keys(c, replies[c]))
-        server.close_share_keys()
-        states[3] = clients[ME].to_state()
+        deliver(2, lambda c: server.receive_setup(c, setups[c]))
+        server.close_setup(weight_bound=10 + max(CLIENTS))
+        states = {3: clients[ME].to_state()}
         masked_req = server.masked_input_request(ME)
         chunks: dict[int, list[tuple[int, np.ndarray]]] = {}
         for c in CLIENTS:
@@ -159,13 +161,12 @@ def secagg_round() -> SecAggRound:
         unmask_req = server.unmask_request(ME)
         unmask = {c: clients[c].unmask(server.unmask_request(c)) for c in CLIENTS}
         deliver(4, lambda c: server.receive_unmask(c, unmask[c]), mine=False)
-        nbrs = servers[2].graph[ME]
+        nbrs = plan.graph[ME]
         relayed = wire.encode_advert_signatures(ctx, ME, {v: (sigs[v].header, sigs[v].signature) for v in sorted(nbrs)})
-        me_doc = clients[ME]
-        channel = {v: keys.share_channel_key(me_doc._c.private, me_doc._peer_keys[v][0], ctx, ME, v) for v in nbrs}
-    return SecAggRound(servers, states, {"advert": adverts[ME], "share_keys": replies[ME], "unmask": unmask[ME]},
-                       {"share_keys": share_req, "masked_input": masked_req, "unmask": unmask_req}, relayed,
-                       sigs[ME], chunks[ME], channel, trust)
+        keys_with_me = {v: clients[ME]._channel[v] for v in nbrs}
+    return SecAggRound(servers, states, {"advert": adverts[ME], "setup": setups[ME], "unmask": unmask[ME]},
+                       {"plan": plan.encode(), "masked_input": masked_req, "unmask": unmask_req}, relayed,
+                       sigs[ME], chunks[ME], keys_with_me, channel[ME].private, trust)
 
 
 # -- attestation --------------------------------------------------------------------------------

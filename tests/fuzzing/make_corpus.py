@@ -49,9 +49,16 @@ def _claims(**changes: object) -> bytes:
 
 
 def _roster(n: int) -> bytes:
+    """A plan of n members, ME among them with its own channel key: the old share-keys request's
+    roster bug (the plan took the roster's place when setup moved one round ahead)."""
     from crypto.secagg import wire
+    from crypto.secagg.keys import public_from_private
 
-    return wire.encode_share_keys_request(fixtures.SECAGG_CTX, fixtures.ME, sorted({*range(n), fixtures.ME}), [])
+    ids = sorted({*range(n), fixtures.ME})
+    own = public_from_private(fixtures.secagg_round().channel_private)
+    members = [wire.PlanMember(i, fixtures.site_of(i), own if i == fixtures.ME else (i + 1).to_bytes(32, "big"))
+               for i in ids]
+    return wire.encode_plan(fixtures.SECAGG_CTX, members)
 
 
 def _jws_with(payload_suffix: str = "", header: bytes | None = None) -> bytes:
@@ -81,7 +88,7 @@ def _version_edit(bundle: str, name: str, version_tlv: bytes, new: int) -> bytes
 
 # decoder -> regression name -> (input maker, the bug it pins: symptom before the fix)
 REGRESSIONS = {
-    "secagg-share-keys-request": {
+    "secagg-plan": {
         "roster-1100": (lambda: _roster(1100), "OverflowError in graph.binomial_tail (choose_degree scanned every k < n "
                         "with exact binomials; 1.6 s already at n = 1000)"),
         "roster-3000": (lambda: _roster(3000), "the client built the whole n x n complete graph to read its own row: "

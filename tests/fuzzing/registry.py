@@ -61,8 +61,9 @@ def _share_envelopes() -> list[bytes]:
 
     from .fixtures import ME, SECAGG_CTX, secagg_round
 
-    envs = wire.decode_masked_input_request(SECAGG_CTX, secagg_round().requests["masked_input"], ME)
-    return [envs[min(envs)]]  # the neighbour whose channel key decode_share_envelope uses
+    _, relayed = wire.decode_masked_input_request(SECAGG_CTX, secagg_round().requests["masked_input"], ME)
+    src = min(x.client for x in relayed)  # the neighbour whose channel key decode_share_envelope uses
+    return [x.envelope for x in relayed if x.client == src]
 
 
 def _pki(name: str) -> list[bytes]:
@@ -84,10 +85,8 @@ register("envelope-signed", c.decode_envelope_signed, ENVELOPE, seeds=_framed, m
 register("envelope-fields", c.decode_envelope_fields, ENVELOPE, seeds=_fields, strategy=c.envelope_fields_strategy,
          load_seed=c.envelope_fields_seed, dump_seed=lambda f: c.Envelope(*f).to_bytes())
 register("secagg-advert", c.decode_advert, SERVER, seeds=lambda: _sent("advert"), strategy=c.with_grammar("advert"))
-register("secagg-share-keys-request", c.decode_share_keys_request, CLIENT, seeds=lambda: _requested("share_keys"),
-         strategy=c.with_grammar("share_keys_request"))
-register("secagg-share-keys-reply", c.decode_share_keys_reply, SERVER, seeds=lambda: _sent("share_keys"),
-         strategy=c.with_grammar("share_keys_reply"))
+register("secagg-plan", c.decode_plan, CLIENT, seeds=lambda: _requested("plan"), strategy=c.with_grammar("plan"))
+register("secagg-setup", c.decode_setup, SERVER, seeds=lambda: _sent("setup"), strategy=c.with_grammar("setup"))
 register("secagg-advert-signatures", c.decode_advert_signatures, SERVER, seeds=_relayed,
          strategy=c.with_grammar("advert_signatures"))
 register("secagg-masked-input-request", c.decode_masked_input_request, CLIENT, seeds=lambda: _requested("masked_input"),
@@ -96,6 +95,7 @@ register("secagg-share-envelope", c.decode_share_envelope, SERVER, seeds=_share_
 register("secagg-share-plaintext", c.decode_share_plaintext, CLIENT, seeds=c.share_plaintext_seeds,
          strategy=c.share_plaintext_strategy)
 register("secagg-masked-chunk", c.decode_masked_chunk, SERVER, seeds=c.masked_chunk_seeds)
+register("secagg-packed-words", c.decode_packed_words, (ValueError,), seeds=c.packed_words_seeds)
 register("secagg-unmask-request", c.decode_unmask_request, CLIENT, seeds=lambda: _requested("unmask"),
          strategy=c.with_grammar("unmask_request"))
 register("secagg-unmask-reply", c.decode_unmask_reply, FINISH, seeds=lambda: _sent("unmask"),

@@ -1,0 +1,173 @@
+"""Round latency on a real loopback deployment: Flower's own FedAvg against ours, all protections on.
+
+Both sides run on the same kind of deployment, started by the same launcher code
+(federation/ops/launcher.py): a real `flower-superlink` (TLS with the provisioned coordinator
+certificate, SuperNode authentication, runtime dependency installation off) and one real
+`flower-supernode` per site (TLS, provisioned auth key), on loopback, in one run of this script:
+
+- ours: `sovfl simulate` on a digits config with SecAgg+ (ring auto-chosen), attested admission
+  (dev issuer) and evaluation on; each site's trainer is a real torchrun process;
+- Flower: `flwr run` of benchmarks/flower_fedavg_app (flwr.serverapp.strategy.FedAvg as shipped,
+  which trains then evaluates every round, and a minimal NumPy ClientApp), on the same number of
+  sites and the same parameter shapes (read from our run's checkpoint).
+
+Overhead per round = round wall time (the coordinator's own clock) minus the slowest site's local
+work (ours: the trainer calls, from the metrics line's `timing.site_work_s`; Flower: the
+ClientApp handler's time, slowest train reply plus slowest evaluate reply). Round trips per site
+per round come from our coordinator's message count (`messages` in the metrics lines), rounds 2
+onwards (round 1 also carries site discovery). The first round of each side warms caches and is
+kept in the medians (both sides pay it).
+
+    .venv/bin/python benchmarks/round_latency.py [--rounds 5] [--sites 3] [--hidden 64]
+
+Last line: `RESULT ours_overhead_s=<median> flower_overhead_s=<median> overhead_ratio=<ours/flower> round_trips=<per site per round>`
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from crypto.pki import provision  # noqa: E402
+from federation.config.schema import load_config  # noqa: E402
+from federation.ops import launcher  # noqa: E402
+
+ANCHOR_APP = Path(__file__).parent / "flower_fedavg_app"
+
+
+def our_config(path: Path, sites: int, rounds: int, hidden: int, local_steps: int) -> Path:
+    cfg = {
+        "federation": {
+            "name": "round-latency", "rounds": rounds, "quorum": max(2, sites - 1), "update_kind": "delta",
+            "evaluate": True,
+            "deadlines": {"connect_s": 120, "round_s": 120, "evaluate_s": 120, "secagg_stage_s": 60,
+                          "trainer_start_s": 300},
+            "secagg": {"enabled": True, "threshold": 2, "clip": 0.5},
+            "attestation": {"enabled": True, "dev_issuer": True},
+        },
+        "workload": {"task": "digits", "options": {"hidden": hidden}},
+        "sites": [{"id": f"site{i}", "ranks": 1, "partition": i, "local_steps": local_steps, "batch_size": 16,
+                   "lr": 0.1} for i in range(sites)],
+    }
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def run_ours(workdir: Path, config: Path) -> list[dict]:
+    """Our federation through `sovfl simulate`'s code; its metrics lines."""
+    launcher.simulate(config, workdir / "ours", progress=lambda line: print(f"  [ours] {line}", flush=True))
+    return [json.loads(x) for x in (workdir / "ours" / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+def model_shapes(workdir: Path) -> list[list[int]]:
+    with np.load(workdir / "ours" / "checkpoints" / "latest.npz") as z:
+        return [list(z[k].shape) for k in sorted(z.files) if k.startswith("model/")]
+
+
+def run_flower(workdir: Path, config: Path, shapes: list[list[int]], rounds: int) -> dict:
+    """Flower's FedAvg on a deployment started like ours (TLS, SuperNode auth, same flags)."""
+    cfg = load_config(config)
+    wd = workdir / "flower"
+    wd.mkdir(parents=True, exist_ok=True)
+    pki = wd / "pki"
+    provision(pki, [s.id for s in cfg.sites], hosts=("127.0.0.1", "localhost"))
+    coord = pki / "coordinator"
+    out = wd / "flower_rounds.json"
+    sup = launcher.Supervisor(wd)
+    try:
+        port = launcher.free_port()
+        link = launcher.start_superlink(sup, port, bundle=coord)
+        launcher.wait_port(link, port)
+        launcher.write_flwr_connection(sup, f"127.0.0.1:{port}", coord / "ca.crt")
+        launcher.register_supernodes(sup, {s.id: pki / "sites" / s.id / "supernode_auth.pub" for s in cfg.sites})
+        for s in cfg.sites:  # no trainer: the anchor's ClientApp is NumPy only
+            launcher.start_supernode(sup, s, f"127.0.0.1:{port}", "unused", pki / "sites" / s.id)
+        shapes_text = json.dumps(shapes, separators=(",", ":"))  # no spaces: --run-config splits on them
+        run_config = f'shapes="{shapes_text}" rounds={rounds} sites={len(cfg.sites)} out="{out}"'
+        run = sup.start("flwr-run", [launcher._bin("flwr"), "run", str(ANCHOR_APP), "sovfl", "--run-config",
+                                     run_config, "--stream"])
+        end = time.monotonic() + 120 + rounds * 120
+        while not out.exists():
+            if time.monotonic() > end:
+                raise launcher.LaunchError(f"Flower's FedAvg did not finish; see {run.log}:\n{launcher.tail(run.log)}")
+            if not link.alive():
+                raise launcher.LaunchError(f"the SuperLink died; see {link.log}")
+            time.sleep(0.5)
+        time.sleep(0.2)
+        return json.loads(out.read_text())
+    finally:
+        sup.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--sites", type=int, default=3)
+    ap.add_argument("--hidden", type=int, default=2048,
+                    help="digits MLP hidden width: 2048 gives 153k parameters, about `make demo`'s model")
+    ap.add_argument("--local-steps", type=int, default=10)
+    ap.add_argument("--workdir", type=Path, default=None)
+    args = ap.parse_args()
+    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="round-latency-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    config = our_config(workdir / "ours.yaml", args.sites, args.rounds, args.hidden, args.local_steps)
+
+    t0 = time.monotonic()
+    lines = run_ours(workdir, config)
+    ours_wall = time.monotonic() - t0
+    shapes = model_shapes(workdir)
+    n_params = sum(int(np.prod(s)) for s in shapes)
+    t0 = time.monotonic()
+    flower = run_flower(workdir, config, shapes, args.rounds)
+    flower_wall = time.monotonic() - t0
+
+    print(f"# {args.sites} sites, {n_params:,} float32 parameters, {args.rounds} rounds each; workdir {workdir}")
+    print(f"# ours: SecAgg+ (ring auto), attested admission (dev issuer), evaluation on; run {ours_wall:.0f}s")
+    print(f"# flower: flwr.serverapp.strategy.FedAvg (train + evaluate per round), NumPy ClientApp; run {flower_wall:.0f}s")
+    print(f"{'round':>5} {'ours round_s':>12} {'work_s':>7} {'overhead':>8} {'msgs/site':>9}   "
+          f"{'flower round_s':>14} {'work_s':>7} {'overhead':>8}")
+    ours_over, flower_over, trips = [], [], []
+    prev: dict[str, int] = {}
+    for line in lines:
+        rnd = line["round"]
+        t = line.get("timing", {})
+        over = line["round_s"] - t.get("site_work_s", 0.0)
+        ours_over.append(over)
+        msgs = line.get("messages", {})
+        if rnd == args.rounds and "final_eval_stage" in line:  # the run's last line adds the final evaluation
+            msgs = {k: v - 1 for k, v in msgs.items()}
+        per_site = [v - prev.get(k, 0) for k, v in msgs.items()]
+        prev = dict(msgs)
+        if rnd > 1:
+            trips.extend(per_site)
+        f = flower["rounds"].get(str(rnd), {})
+        f_work = f.get("train_work_s", 0.0) + f.get("eval_work_s", 0.0)
+        f_over = f.get("round_s", float("nan")) - f_work
+        flower_over.append(f_over)
+        print(f"{rnd:5d} {line['round_s']:12.2f} {t.get('site_work_s', 0.0):7.2f} {over:8.2f} "
+              f"{max(per_site, default=0):9d}   {f.get('round_s', float('nan')):14.2f} {f_work:7.2f} {f_over:8.2f}")
+    stages = lines[-1].get("timing", {}).get("stages", [])
+    if stages:
+        print("# our last round, per stage: " + "; ".join(
+            f"{s['stage']}: {s['seconds']:.2f}s (push {s.get('push_s', 0):.2f}, wait {s.get('wait_s', 0):.2f}, "
+            f"slowest reply {s.get('slowest_reply_s', 0):.2f})" for s in stages))
+    ours_med, flower_med = statistics.median(ours_over), statistics.median(flower_over)
+    round_trips = max(trips, default=0)
+    print(f"RESULT ours_overhead_s={ours_med:.2f} flower_overhead_s={flower_med:.2f} "
+          f"overhead_ratio={ours_med / flower_med:.2f} round_trips={round_trips}")
+
+
+if __name__ == "__main__":
+    main()
