@@ -78,11 +78,11 @@ def assert_weighted_mean_rounds(run: Path, sites: set[str], ranks: int, rounds: 
         for site, info in line["sites"].items():
             digests = info["rank_digests"]
             assert len(digests) == ranks and len(set(digests)) == 1, f"{site} ranks diverged: {digests}"
-            with np.load(run / "sites" / site / "updates" / f"round_{rnd:04d}.npz") as z:
+            with np.load(run / "sites" / site / "updates" / f"round_{rnd:04d}") as z:
                 for k in z.files:
                     acc[k] = acc.get(k, 0) + z[k].astype(np.float64) * info["samples"]
             weight += info["samples"]
-        _, model, _ = load_checkpoint(run / "checkpoints" / f"round_{rnd:04d}.npz")
+        _, model, _ = load_checkpoint(run / "checkpoints" / f"round_{rnd:04d}")
         assert set(model) == set(acc)
         for k in model:
             np.testing.assert_allclose(model[k], acc[k] / weight, rtol=0, atol=1e-6)

@@ -29,10 +29,11 @@ from crypto.pki import CoordinatorBundle
 from federation.config.schema import ExperimentConfig
 from federation.coordinator.admission import Admission, AdmissionOutcome
 from federation.coordinator.aggregate import ServerOptimizer
-from federation.coordinator.checkpoint import save_checkpoint
+from federation.coordinator.checkpoint import CheckpointStore
 from federation.coordinator.downlink_sender import DownlinkSender
 from federation.coordinator.evaluation import Evaluation
 from federation.coordinator.plain_round import PlainRound
+from federation.coordinator.resume import checkpoint_round, resume_run
 from federation.coordinator.strategy import Exchange, ExchangeResult, Reply, RoundInput, RoundOutcome, Site, Strategy
 from federation.protocol import message_keys as keys
 from federation.protocol.codecs import Arrays
@@ -92,6 +93,9 @@ class Coordinator:
         self._progress = progress or (lambda line: log.info(line))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.workdir / "metrics.jsonl"
+        self.checkpoints = CheckpointStore(self.workdir / "checkpoints", self.fed.checkpoint_keep, self.progress)
+        self.history: list[dict] = []  # the metrics lines of the rounds done (restored by a resume)
+        self.start_round = 1
 
     def progress(self, line: str) -> None:
         """A line for the operator (progress.log and stdout under the ServerApp)."""
@@ -287,7 +291,6 @@ class Coordinator:
                 1, sum(s.get("upload_bytes", dense) for s in out.per_site.values()))
         if out.mean is not None and out.count >= self.fed.quorum:
             self.model = self.opt.step(self.model, out.mean)
-            save_checkpoint(self.workdir / "checkpoints", rnd, self.model, self.opt.state())
             line["status"] = "aggregated"
         else:
             line["status"] = "skipped"
@@ -313,17 +316,21 @@ class Coordinator:
             line.update(self.evaluate_round(rnd))
         line["downlink"] = self.downlink.round_metrics()
         line["round_s"] = time.monotonic() - t0
+        self.history.append(line)
+        checkpoint_round(self, rnd)  # before the metrics line: a resume rewrites metrics.jsonl from it
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(line) + "\n")
         return line
 
-    def run(self) -> dict:
-        """The whole run: discovery, then every round; the run's result (result.json)."""
+    def run(self, resume: bool = False) -> dict:
+        """The whole run: discovery, then every round (with `resume`, from the last checkpointed
+        one, see resume.py); the run's result (result.json)."""
+        if resume:
+            resume_run(self)
         self.wait_for_sites()
-        history = []
-        for rnd in range(1, self.fed.rounds + 1):
+        history = self.history
+        for rnd in range(self.start_round, self.fed.rounds + 1):
             line = self.run_round(rnd)
-            history.append(line)
             losses = ", ".join(f"{k}={v['loss']:.4f}" for k, v in line["sites"].items())
             ev = f" eval_loss={line['eval_loss']:.4f}" if "eval_loss" in line else ""
             acc = f" eval_acc={line['eval_accuracy']:.3f}" if "eval_accuracy" in line else ""
