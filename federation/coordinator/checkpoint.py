@@ -127,7 +127,9 @@ class CheckpointStore:
                     raise CheckpointError(f"bad array group name {group!r}")
                 files[f"{group}.safetensors"] = _write_file(tmp / f"{group}.safetensors", encode_arrays(named))
             files[STATE] = _write_file(tmp / STATE, json.dumps(state, sort_keys=True).encode())
-            manifest = {"format": FORMAT, "round": rnd, "files": files}
+            # safetensors stores names sorted; the order is part of a model (sites check it)
+            order = {group: list(named) for group, named in arrays.items()}
+            manifest = {"format": FORMAT, "round": rnd, "files": files, "order": order}
             _write_file(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
             _fsync_dir(tmp)
             final = self.path(rnd)
@@ -211,6 +213,8 @@ def read_checkpoint(path: Path) -> Checkpoint:
         state = json.loads(blobs.pop(STATE))
         arrays = {name.removesuffix(".safetensors"): st_load(data) for name, data in blobs.items()
                   if name.endswith(".safetensors")}
+        order = manifest.get("order", {})
+        arrays = {group: {k: named[k] for k in order.get(group, sorted(named))} for group, named in arrays.items()}
     except Exception as err:  # verified bytes that still do not parse: a writer bug, not a crash here
         raise CorruptCheckpoint(f"checked files do not parse ({type(err).__name__}: {err})") from None
     rnd = manifest.get("round")

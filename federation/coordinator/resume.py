@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from federation.config.schema import ConfigError
-from federation.coordinator.checkpoint import Checkpoint, CheckpointError
+from federation.coordinator.checkpoint import Checkpoint, CheckpointError, CheckpointStore
 from federation.protocol.codecs.base import Encoded
 from federation.protocol.downlink_steps import Step, model_digest
 from federation.protocol.update_codec import round_seed
@@ -218,3 +218,20 @@ def resume_run(coord: "Coordinator") -> None:
     coord.progress(f"resume: continuing from {ckpt.path.name} (round {ckpt.round} of {coord.fed.rounds} done, "
                    f"model {model_digest(coord.model)[:12]}); {max(0, left)} round(s) to go"
                    + ("; the round in flight when the run stopped runs again from its start" if left > 0 else ""))
+
+
+def precheck(checkpoints: Path, cfg) -> int | None:
+    """Before any process starts (`sovfl ... --resume`): the round the run would resume from, or
+    None; ResumeRefused if the configuration changed. Attestation settings are left to the
+    ServerApp's check, which sees them resolved."""
+    try:
+        ckpt = CheckpointStore(checkpoints).latest()
+    except CheckpointError as err:
+        raise ResumeRefused(f"cannot resume: {err}") from None
+    if ckpt is None:
+        return None
+    saved, current = dict(ckpt.state.get("config", {})), config_document(cfg)
+    for doc in (saved, current):
+        doc["federation"] = {k: v for k, v in dict(doc.get("federation", {})).items() if k != "attestation"}
+    check_config(saved, current)
+    return ckpt.round

@@ -170,7 +170,8 @@ def register_supernodes(sup: Supervisor, public_keys: dict[str, Path], timeout_s
     for site, key in public_keys.items():
         proc = subprocess.run([_bin("flwr"), "supernode", "register", str(key), "sovfl", "--name", site],
                               capture_output=True, text=True, env=sup.env(), timeout=timeout_s)
-        if proc.returncode != 0:
+        # a restarted SuperLink keeps its database, and the keys registered in it (a resumed run)
+        if proc.returncode != 0 and "already in use" not in proc.stdout + proc.stderr:
             raise LaunchError(f"could not register site {site}'s SuperNode key {key}: {proc.stdout}{proc.stderr}")
 
 

@@ -13,7 +13,7 @@ import json
 from functools import partial
 from pathlib import Path
 
-from federation.config.schema import ConfigError
+from federation.config.schema import ConfigError, load_config
 
 RUN_FILE = "run.json"
 
@@ -25,6 +25,11 @@ def prepare_workdir(workdir: Path, config_path: Path, resume: bool) -> None:
     if resume:
         if not (workdir / "checkpoints").is_dir() and not (workdir / RUN_FILE).exists():
             raise ConfigError(f"--resume: {workdir} holds no run to resume (no checkpoints/ and no {RUN_FILE})")
+        from federation.coordinator.resume import precheck  # numpy and safetensors: only when resuming
+
+        done = precheck(workdir / "checkpoints", load_config(config_path))
+        print(f"resuming the run in {workdir}: " + (f"round {done} is the last completed" if done else
+                                                    "no round completed yet, starting at round 1"))
         log = workdir / "progress.log"
         if log.exists():
             n = 1
