@@ -18,6 +18,8 @@ import pytest
 import yaml
 
 from conftest import ROOT, live_marked, sovfl, sovfl_popen, write_config
+from faults import kill_coordinator
+from faults import rounds_done as _rounds
 from federation.coordinator.checkpoint import CheckpointStore, load_checkpoint
 
 pytestmark = pytest.mark.e2e
@@ -47,11 +49,6 @@ def reference(tmp_path_factory) -> tuple[Path, Path]:
     return path, directory / "run"
 
 
-def _rounds(run: Path) -> list[int]:
-    path = run / "metrics.jsonl"
-    return [json.loads(x)["round"] for x in path.read_text().splitlines()] if path.exists() else []
-
-
 def _kill_coordinator_in_round_2(run: Path, marker: str, proc: subprocess.Popen) -> None:
     """Wait for round 1's metrics line, give round 2's messages a moment to go out, then SIGKILL the
     SuperLink's process group (SuperLink, SuperExec) and the ServerApp process."""
@@ -61,18 +58,8 @@ def _kill_coordinator_in_round_2(run: Path, marker: str, proc: subprocess.Popen)
         assert time.monotonic() - t0 < 400, "round 1 did not finish"
         time.sleep(0.05)
     time.sleep(1.5)
-    leader = json.loads((run / "pids.json").read_text())["superlink"]
-    victims = []
-    for pid in live_marked(marker):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-            if os.getpgid(pid) == leader or b"flwr-serverapp" in cmd or b"superexec" in cmd:
-                victims.append((pid, cmd))
-        except (OSError, ProcessLookupError):
-            continue
+    victims = kill_coordinator(run, marker)
     assert any(b"flwr-serverapp" in cmd for _, cmd in victims), victims
-    for pid, _ in victims:
-        os.kill(pid, signal.SIGKILL)
     assert _rounds(run) == [1] and CheckpointStore(run / "checkpoints").rounds() == [1]  # round 2 in flight
 
 

@@ -330,3 +330,22 @@ def test_resume_without_checkpoint_starts_at_round_1(tmp_path):
     coord, result, lines = _run(tmp_path, _cfg(rounds=2), resume=True)
     assert any("no checkpoint" in line and "starting at round 1" in line for line in lines)
     assert [m["round"] for m in _metrics(coord)] == [1, 2] and result["aggregated_rounds"] == 2
+
+
+def test_resume_expires_the_messages_a_killed_serverapp_left_in_the_superlink_database(tmp_path):
+    import sqlite3
+
+    from federation.ops.run_dir import expire_stale_messages
+
+    db = tmp_path / "superlink.db"
+    con = sqlite3.connect(db)
+    con.execute("CREATE TABLE message_ins (message_id VARCHAR, delivered_at VARCHAR, ttl FLOAT)")
+    con.executemany("INSERT INTO message_ins VALUES (?, ?, ?)", [("a", "", 70.0), ("b", "2026-01-01", 70.0),
+                                                                ("c", "", 100.0)])
+    con.commit()
+    con.close()
+    assert expire_stale_messages(db) == 2
+    con = sqlite3.connect(db)
+    assert dict(con.execute("SELECT message_id, ttl FROM message_ins")) == {"a": 0.0, "b": 70.0, "c": 0.0}
+    con.close()
+    assert expire_stale_messages(tmp_path / "absent.db") == 0

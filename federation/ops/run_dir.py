@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sqlite3
 from functools import partial
 from pathlib import Path
 
@@ -37,7 +38,33 @@ def prepare_workdir(workdir: Path, config_path: Path, resume: bool) -> None:
                 n += 1
             log.rename(workdir / f"progress.{n}.log")
         (workdir / "result.json").unlink(missing_ok=True)
+        stale = expire_stale_messages(workdir / "superlink.db")
+        if stale:
+            print(f"resume: {stale} message(s) the stopped run left undelivered in the SuperLink's database "
+                  "will not be delivered")
     (workdir / RUN_FILE).write_text(json.dumps({"config": str(Path(config_path).resolve())}, indent=1) + "\n")
+
+
+def expire_stale_messages(db: Path) -> int:
+    """Expire the messages a killed ServerApp left undelivered in the SuperLink's database (before
+    the SuperLink restarts); how many.
+
+    flwr 1.41 keeps them, and hands them to the SuperNodes as soon as they reconnect; one whose
+    content the dead ServerApp had not finished pushing keeps a SuperNode waiting for it (seen in
+    tests/test_e2e_resume.py), and one that arrives whole makes the site train a dead round.
+    Neither is any use to the resumed run (a new Flower run). Written against flwr 1.41's schema;
+    a database without that table is left alone."""
+    if not Path(db).exists():
+        return 0
+    con = sqlite3.connect(db, timeout=30)
+    try:
+        cols = {row[1] for row in con.execute("PRAGMA table_info(message_ins)")}
+        if not {"delivered_at", "ttl"} <= cols:
+            return 0
+        with con:
+            return con.execute("UPDATE message_ins SET ttl = 0 WHERE delivered_at = '' AND ttl > 0").rowcount
+    finally:
+        con.close()
 
 
 def recorded_config(workdir: Path) -> str:
