@@ -11,7 +11,6 @@ from pathlib import Path
 from crypto.pki import CoordinatorBundle, provision
 from federation.config.schema import ConfigError, load_config
 from federation.ops import launcher, run_dir
-from federation.ops.run_dir import prepare_workdir
 from site_trainer.launch import RendezvousUnreachable, check_node_rank, wait_for_rendezvous
 
 
@@ -70,7 +69,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     bundle = _bundle_dir(args.bundle, "the coordinator")
     workdir = Path(args.workdir or f"runs/{cfg.federation.name}-coordinator").resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    prepare_workdir(workdir, Path(args.config), args.resume)
+    run_dir.prepare_workdir(workdir, Path(args.config), args.resume)
     sup = launcher.Supervisor(workdir)
     if args.insecure:
         print(launcher.INSECURE_WARNING, file=sys.stderr)
