@@ -332,20 +332,24 @@ def test_resume_without_checkpoint_starts_at_round_1(tmp_path):
     assert [m["round"] for m in _metrics(coord)] == [1, 2] and result["aggregated_rounds"] == 2
 
 
-def test_resume_expires_the_messages_a_killed_serverapp_left_in_the_superlink_database(tmp_path):
+def test_resume_releases_what_a_killed_run_left_in_the_superlink_database(tmp_path):
     import sqlite3
 
-    from federation.ops.run_dir import expire_stale_messages
+    from federation.ops.run_dir import release_stale_state
 
     db = tmp_path / "superlink.db"
     con = sqlite3.connect(db)
     con.execute("CREATE TABLE message_ins (message_id VARCHAR, delivered_at VARCHAR, ttl FLOAT)")
     con.executemany("INSERT INTO message_ins VALUES (?, ?, ?)", [("a", "", 70.0), ("b", "2026-01-01", 70.0),
                                                                 ("c", "", 100.0)])
+    con.execute("CREATE TABLE node (node_id BIGINT, status VARCHAR, online_until FLOAT)")
+    con.executemany("INSERT INTO node VALUES (?, ?, ?)", [(1, "online", time.time() + 600), (2, "offline", 5.0)])
     con.commit()
     con.close()
-    assert expire_stale_messages(db) == 2
+    assert release_stale_state(db) == (2, 1)
     con = sqlite3.connect(db)
     assert dict(con.execute("SELECT message_id, ttl FROM message_ins")) == {"a": 0.0, "b": 70.0, "c": 0.0}
+    online = dict(con.execute("SELECT node_id, online_until FROM node"))
+    assert online[2] == 5.0 and online[1] <= time.time()
     con.close()
-    assert expire_stale_messages(tmp_path / "absent.db") == 0
+    assert release_stale_state(tmp_path / "absent.db") == (0, 0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sqlite3
+import time
 from functools import partial
 from pathlib import Path
 
@@ -38,31 +39,38 @@ def prepare_workdir(workdir: Path, config_path: Path, resume: bool) -> None:
                 n += 1
             log.rename(workdir / f"progress.{n}.log")
         (workdir / "result.json").unlink(missing_ok=True)
-        stale = expire_stale_messages(workdir / "superlink.db")
-        if stale:
-            print(f"resume: {stale} message(s) the stopped run left undelivered in the SuperLink's database "
-                  "will not be delivered")
+        messages, nodes = release_stale_state(workdir / "superlink.db")
+        if messages or nodes:
+            print(f"resume: in the SuperLink's database, {messages} message(s) the stopped run left undelivered "
+                  f"expired, {nodes} node(s) no longer held online")
     (workdir / RUN_FILE).write_text(json.dumps({"config": str(Path(config_path).resolve())}, indent=1) + "\n")
 
 
-def expire_stale_messages(db: Path) -> int:
-    """Expire the messages a killed ServerApp left undelivered in the SuperLink's database (before
-    the SuperLink restarts); how many.
+def release_stale_state(db: Path) -> tuple[int, int]:
+    """Before a SuperLink restarts on a killed run's database: expire the messages the dead
+    ServerApp left undelivered, and let the nodes' liveness lapse now; (messages, nodes) changed.
 
-    flwr 1.41 keeps them, and hands them to the SuperNodes as soon as they reconnect; one whose
-    content the dead ServerApp had not finished pushing keeps a SuperNode waiting for it (seen in
-    tests/test_e2e_resume.py), and one that arrives whole makes the site train a dead round.
-    Neither is any use to the resumed run (a new Flower run). Written against flwr 1.41's schema;
-    a database without that table is left alone."""
+    flwr 1.41 keeps both. Undelivered messages go to the SuperNodes as soon as they reconnect,
+    though they are of no use to the resumed run (a new Flower run), and one whose content the dead
+    ServerApp had not finished pushing can keep a SuperNode waiting for it. A node still marked
+    online refuses a restarted SuperNode of the same site ("could not be activated", exit code 305)
+    until its heartbeat would have lapsed; a SuperNode that is in fact alive is marked online again
+    by its next heartbeat. Written against flwr 1.41's schema; tables without the expected columns
+    are left alone."""
     if not Path(db).exists():
-        return 0
+        return 0, 0
     con = sqlite3.connect(db, timeout=30)
     try:
-        cols = {row[1] for row in con.execute("PRAGMA table_info(message_ins)")}
-        if not {"delivered_at", "ttl"} <= cols:
-            return 0
+        def columns(table: str) -> set[str]:
+            return {row[1] for row in con.execute(f"PRAGMA table_info({table})")}
+        messages = nodes = 0
+        now = time.time()
         with con:
-            return con.execute("UPDATE message_ins SET ttl = 0 WHERE delivered_at = '' AND ttl > 0").rowcount
+            if {"delivered_at", "ttl"} <= columns("message_ins"):
+                messages = con.execute("UPDATE message_ins SET ttl = 0 WHERE delivered_at = '' AND ttl > 0").rowcount
+            if "online_until" in columns("node"):
+                nodes = con.execute("UPDATE node SET online_until = ? WHERE online_until > ?", (now, now)).rowcount
+        return messages, nodes
     finally:
         con.close()
 
