@@ -78,7 +78,7 @@ def assert_weighted_mean_rounds(run: Path, sites: set[str], ranks: int, rounds: 
         for site, info in line["sites"].items():
             digests = info["rank_digests"]
             assert len(digests) == ranks and len(set(digests)) == 1, f"{site} ranks diverged: {digests}"
-            with np.load(run / "sites" / site / "updates" / f"round_{rnd:04d}") as z:
+            with np.load(run / "sites" / site / "updates" / f"round_{rnd:04d}.npz") as z:
                 for k in z.files:
                     acc[k] = acc.get(k, 0) + z[k].astype(np.float64) * info["samples"]
             weight += info["samples"]
