@@ -230,11 +230,14 @@ class LocalTrainer:
         rank's report (the site's loss and samples, already summed over ranks).
 
         `round_no` (from the request) places the learning-rate schedule: round r starts at step
-        (r - 1) x local_steps, so a site that was not sampled in some rounds is where the others are.
+        (r - 1) x local_steps, so a site that was not sampled in some rounds is where the others are;
+        and it seeds the round's batch sampling, so that a round run again (after a coordinator
+        restart, federation/coordinator/resume.py) or by a restarted trainer draws the same batches.
         """
         s = self.cfg.site
         if round_no is not None and round_no >= 1:
             self.sched_step = (round_no - 1) * s.local_steps
+            self.gen.manual_seed(self._stream_seed(round_no))
         self.model.train()
         total, t0 = torch.zeros(2, dtype=torch.float64, device=self.device), time.perf_counter()
         for _ in range(steps):
@@ -247,6 +250,11 @@ class LocalTrainer:
         if self.device.type == "cuda":
             out["cuda_peak_bytes"] = self._peak_cuda_bytes()
         return out
+
+    def _stream_seed(self, round_no: int) -> int:
+        """The seed of this rank's batch sampling in round `round_no`."""
+        key = [self.cfg.seed % 2**63, self.cfg.site.partition, self.rank, round_no]
+        return int(np.random.default_rng(key).integers(0, 2**62))
 
     def _summed(self, t: torch.Tensor) -> torch.Tensor:
         """Collective: `t` summed over all ranks, returned on the CPU (NCCL reduces device tensors only)."""

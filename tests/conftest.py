@@ -82,7 +82,7 @@ def assert_weighted_mean_rounds(run: Path, sites: set[str], ranks: int, rounds: 
                 for k in z.files:
                     acc[k] = acc.get(k, 0) + z[k].astype(np.float64) * info["samples"]
             weight += info["samples"]
-        _, model, _ = load_checkpoint(run / "checkpoints" / f"round_{rnd:04d}.npz")
+        _, model, _ = load_checkpoint(run / "checkpoints" / f"round_{rnd:04d}")
         assert set(model) == set(acc)
         for k in model:
             np.testing.assert_allclose(model[k], acc[k] / weight, rtol=0, atol=1e-6)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, assert_weighted_mean_rounds, live_marked, sovfl, sovfl_popen, write_config
-from federation.coordinator.checkpoint import load_checkpoint
+from federation.coordinator.checkpoint import load_checkpoint, read_checkpoint
 
 pytestmark = pytest.mark.e2e
 
@@ -44,7 +44,7 @@ def test_three_sites_two_ranks_weighted_mean_is_exact(tmp_path, marker):
     from site_trainer.workloads import initial_weights
 
     init = initial_weights(load_config(path).workload, 0)
-    _, first, _ = load_checkpoint(run / "checkpoints" / "round_0001.npz")
+    _, first, _ = load_checkpoint(run / "checkpoints" / "round_0001")
     assert max(float(np.abs(first[k] - init[k]).max()) for k in init) > 1e-3
     # different sites trained on different data: their rank digests differ
     assert len({i["rank_digests"][0] for i in lines[0]["sites"].values()}) == 3
@@ -114,8 +114,10 @@ def test_crash_hang_and_hostile_site(tmp_path, marker):
     assert "b" in r3["failed"] and any(w in r3["failed"]["b"] for w in ("did not answer", "deadline"))
     assert r3["rejections"]["non_finite"] == 3
     # the skipped round left the global model unchanged
-    assert not (run / "checkpoints" / "round_0003.npz").exists()
-    assert os.readlink(run / "checkpoints" / "latest.npz") == "round_0002.npz"
+    skipped = read_checkpoint(run / "checkpoints" / "round_0003")
+    assert skipped.state["metrics"][-1]["status"] == "skipped"
+    before = load_checkpoint(run / "checkpoints" / "round_0002")[1]
+    assert all(np.array_equal(skipped.arrays["model"][k], before[k]) for k in before)
     assert "site c excluded" in out and "site hostile excluded" in out and "skipped" in out
     assert "RESULT rounds=2" in out
     assert elapsed < 400

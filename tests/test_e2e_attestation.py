@@ -83,7 +83,7 @@ def test_attested_admission_and_sealed_wire_audit(tmp_path, marker, monkeypatch)
             assert len(needles) > 50
             leaked[(site, rnd)] = found(needles, tap.up)
     assert leaked == {k: 0 for k in leaked}, f"plaintext update bytes on the wire: {leaked}"
-    _, sent, _ = load_checkpoint(run / "checkpoints" / "round_0001.npz")  # round 2's global model
+    _, sent, _ = load_checkpoint(run / "checkpoints" / "round_0001")  # round 2's global model
     needles = windows(sent)
     assert found(needles, tap.down) >= 0.9 * len(needles), "the capture does not see the downlink"
     assert len(tap.up) > 10_000

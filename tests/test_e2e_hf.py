@@ -135,7 +135,7 @@ def test_lora_secagg_two_sites_two_ranks_refused_base_and_export(tmp_path, base,
         mean = sum(returned[s] * w for s, w in weights.items()) / sum(weights.values())
         assert np.abs(mean).max() > 1e-5  # training moved the adapters
         assert line["secagg"]["error_bound"] < 1e-6
-        _, model, _ = load_checkpoint(run / "checkpoints" / f"round_{rnd:04d}.npz")
+        _, model, _ = load_checkpoint(run / "checkpoints" / f"round_{rnd:04d}")
         np.testing.assert_allclose(_flat(model) - _flat(previous), mean, rtol=0, atol=1e-6)
         previous = model
 
@@ -177,7 +177,7 @@ def test_full_fine_tuning_zero2_site_and_export(tmp_path, base, corpus, marker, 
 
     _export(run, tmp_path / "full")
     _generates(tmp_path / "full")
-    _, model, _ = load_checkpoint(run / "checkpoints" / "round_0002.npz")
+    _, model, _ = load_checkpoint(run / "checkpoints" / "round_0002")
     got = load_file(tmp_path / "full" / "model.safetensors")
     assert set(got) == set(model)
     assert all(torch.equal(got[k], torch.from_numpy(v)) for k, v in model.items())

@@ -70,9 +70,9 @@ def test_clear_errors_for_what_is_missing(tmp_path, capsys):
 
     assert "no such run directory" in err(str(tmp_path / "nope"))
     (tmp_path / "empty").mkdir()
-    assert "no checkpoint" in err(str(tmp_path / "empty")) and "aggregated no round" in err(str(tmp_path / "empty"))
+    assert "no checkpoint" in err(str(tmp_path / "empty")) and "completed no round" in err(str(tmp_path / "empty"))
     run, _ = _run_dir(tmp_path, {"task": "user_tasks:Toy"})
-    assert "this run has round_0001.npz, round_0002.npz" in err(str(run), "--round", "7")
+    assert "this run has rounds 1, 2" in err(str(run), "--round", "7")
     (run / "workload.json").unlink()
     assert "no workload.json" in err(str(run)) and "--config FILE" in err(str(run))
     (run / "workload.json").write_text(json.dumps({"workload": {"task": "user_tasks:Toy", "options": {"d": 4}}}))

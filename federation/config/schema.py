@@ -54,6 +54,8 @@ class FederationConfig(StrictModel):
     attestation: AttestationConfig = AttestationConfig()
     downlink_codec: str = Field("identity", description="codec of the global model sent to sites, e.g. 'int8' "
                                 "(configs/README.md); any codec, also with secagg; identity: dense")
+    checkpoint_keep: int = Field(3, ge=1, description="coordinator checkpoints kept on disk (one per round; "
+                                 "`--resume` falls back to an older one if the newest is damaged)")
 
     @field_validator("downlink_codec")
     @classmethod

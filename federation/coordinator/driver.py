@@ -41,11 +41,12 @@ from crypto.pki import CoordinatorBundle
 from federation.config.schema import ExperimentConfig
 from federation.coordinator.admission import Admission, AdmissionOutcome
 from federation.coordinator.aggregate import ServerOptimizer
-from federation.coordinator.checkpoint import save_checkpoint
+from federation.coordinator.checkpoint import CheckpointStore
 from federation.coordinator.downlink_sender import DownlinkSender
 from federation.coordinator.evaluation import EvalRider, Evaluation
 from federation.coordinator.manifest_check import BaseCheck
 from federation.coordinator.plain_round import PlainRound
+from federation.coordinator.resume import checkpoint_round, resume_run
 from federation.coordinator.strategy import (
     Exchange,
     ExchangeResult,
@@ -131,6 +132,9 @@ class Coordinator:
         self.riders: list[Rider] = []  # riding on every message sent now
         self._side: dict[str, tuple[int, list[Rider]]] = {}  # rider-only messages in flight: id -> (node, riders)
         self.messages: Counter[int] = Counter()  # messages sent per node over the run (round trips)
+        self.checkpoints = CheckpointStore(self.workdir / "checkpoints", self.fed.checkpoint_keep, self.progress)
+        self.history: list[dict] = []  # the metrics lines of the rounds done (restored by a resume)
+        self.start_round = 1
 
     def progress(self, line: str) -> None:
         """A line for the operator (progress.log and stdout under the ServerApp)."""
@@ -515,9 +519,7 @@ class Coordinator:
         if out.mean is not None and out.count >= self.fed.quorum:
             t1 = time.monotonic()
             self.model = self.opt.step(self.model, out.mean)
-            t2 = time.monotonic()
-            save_checkpoint(self.workdir / "checkpoints", rnd, self.model, self.opt.state())
-            timing.update(optimizer_s=round(t2 - t1, 4), checkpoint_s=round(time.monotonic() - t2, 4))
+            timing.update(optimizer_s=round(time.monotonic() - t1, 4))
             line["status"] = "aggregated"
         else:
             line["status"] = "skipped"
@@ -549,27 +551,34 @@ class Coordinator:
         line["timing"]["round_s"] = round(line["round_s"], 4)
         line["messages"] = self.messages_per_site()
         if write:
-            self.write_line(line)
+            self.commit_line(rnd, line)
         return line
 
-    def write_line(self, line: dict) -> None:
-        """Append one metrics line."""
+    def commit_line(self, rnd: int, line: dict) -> None:
+        """Checkpoint the round, then append its metrics line: a resume rewrites metrics.jsonl from
+        the checkpoint's history, so a line is never written for a round that has no checkpoint."""
+        self.history.append(line)
+        t0 = time.monotonic()
+        checkpoint_round(self, rnd)
+        line["timing"]["checkpoint_s"] = round(time.monotonic() - t0, 4)  # known only after the write
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(line) + "\n")
 
-    def run(self) -> dict:
-        """The whole run: discovery, every round, the final evaluation; the run's result (result.json)."""
+    def run(self, resume: bool = False) -> dict:
+        """The whole run: discovery, every round (with `resume`, from the last checkpointed one, see
+        resume.py), the final evaluation; the run's result (result.json)."""
+        if resume:
+            resume_run(self)
         self.wait_for_sites()
-        history = []
-        for rnd in range(1, self.fed.rounds + 1):
+        history = self.history
+        for rnd in range(self.start_round, self.fed.rounds + 1):
             last = rnd == self.fed.rounds
             line = self.run_round(rnd, write=not (last and self.fed.evaluate))
             if last and self.fed.evaluate:
                 line.update(self.final_evaluation())
                 line["final_eval_downlink"] = self.downlink.round_metrics()
                 line["messages"] = self.messages_per_site()
-                self.write_line(line)
-            history.append(line)
+                self.commit_line(rnd, line)
             losses = ", ".join(f"{k}={v['loss']:.4f}" for k, v in line["sites"].items())
             ev = (f" eval_loss={line['eval_loss']:.4f} (model of round {line['eval_model_round']})"
                   if "eval_loss" in line else "")

@@ -13,6 +13,7 @@ from flwr.serverapp import Grid, ServerApp
 from crypto.pki import CoordinatorBundle
 from federation.config import AttestationConfig, resolve
 from federation.config.schema import ConfigError, load_config
+from federation.coordinator.checkpoint import CheckpointError
 from federation.coordinator.driver import Coordinator, FederationFailed
 from federation.coordinator.run_record import record_workload
 
@@ -77,8 +78,9 @@ def main(grid: Grid, context: Context) -> None:
             progress(f"coordinator identity '{bundle.name}' in federation {bundle.federation_id}: {how}")
         if att.enabled:
             progress(attestation_line(att))
-        result = Coordinator(grid, cfg, workdir, context.run_id, initial, progress, bundle, manifest).run()
-    except (ConfigError, FederationFailed) as err:
+        resume = str(context.run_config.get("resume", "")).lower() == "true"
+        result = Coordinator(grid, cfg, workdir, context.run_id, initial, progress, bundle, manifest).run(resume=resume)
+    except (ConfigError, FederationFailed, CheckpointError) as err:
         progress(f"FAILED: {err}")
         result = {"status": "failed", "error": str(err)}
     except Exception as err:  # the run must end with a result, never silently

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from crypto.pki import CoordinatorBundle, provision
 from federation.config.schema import ConfigError, load_config
-from federation.ops import export_cmd, launcher, report_cmd, scrub_cmd
+from federation.ops import export_cmd, launcher, report_cmd, run_dir, scrub_cmd
 from site_trainer.launch import RendezvousUnreachable, check_node_rank, wait_for_rendezvous
 
 
@@ -28,7 +28,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     """`sovfl simulate`: the whole federation on loopback, real processes."""
-    result = launcher.simulate(args.config, args.workdir, insecure=args.insecure)
+    result = launcher.simulate(args.config, args.workdir, insecure=args.insecure, resume=bool(args.resume))
     if result.get("status") != "ok":
         print(f"sovfl simulate: FAILED: {result.get('error', 'no round reached its quorum')} "
               f"(logs: {result['workdir']}/logs)", file=sys.stderr)
@@ -70,6 +70,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     bundle = _bundle_dir(args.bundle, "the coordinator")
     workdir = Path(args.workdir or f"runs/{cfg.federation.name}-coordinator").resolve()
     workdir.mkdir(parents=True, exist_ok=True)
+    run_dir.prepare_workdir(workdir, Path(args.config), args.resume)
     sup = launcher.Supervisor(workdir)
     if args.insecure:
         print(launcher.INSECURE_WARNING, file=sys.stderr)
@@ -81,7 +82,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
             keys = {site: Path(p) for site, p in _site_auth_keys(bundle, [s.id for s in cfg.sites]).items()}
             launcher.register_supernodes(sup, keys)
         print(f"SuperLink on {args.host}:{args.port}; waiting for {len(cfg.sites)} site(s)")
-        run = launcher.submit_run(sup, Path(args.config), f"127.0.0.1:{args.port}", bundle)
+        run = launcher.submit_run(sup, Path(args.config), f"127.0.0.1:{args.port}", bundle, resume=args.resume)
         result = launcher.watch_run(sup, [link, run], {}, launcher.run_deadline(cfg), print)
     finally:
         sup.close()
@@ -192,8 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("config")
     v.set_defaults(fn=cmd_validate)
 
-    _command(sub, "simulate", "run a whole federation on loopback with real processes", cmd_simulate,
-             "where logs, checkpoints and metrics go (default: runs/NAME-TIME)")
+    s = _command(sub, "simulate", "run a whole federation on loopback with real processes", cmd_simulate,
+                 "where logs, checkpoints and metrics go (default: runs/NAME-TIME)")
 
     pv = sub.add_parser("provision", help="create the federation CA and one key bundle per party")
     pv.add_argument("out_dir")
@@ -209,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--host", default="0.0.0.0", help="address the sites reach (default: all interfaces)")
     c.add_argument("--port", type=int, default=9092)
     c.add_argument("--bundle", help="the coordinator's provisioned bundle (OUT_DIR/coordinator)")
+    run_dir.register(s, c)
 
     t = _command(sub, "site", "run one site's trainer pool and SuperNode on this machine", cmd_site,
                  "logs, the site store and the trainer's local checkpoints; multi-node sites that checkpoint "

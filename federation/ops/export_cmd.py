@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from federation.config.schema import ConfigError, load_config
-from federation.coordinator.checkpoint import load_checkpoint
+from federation.coordinator.checkpoint import CheckpointError, CheckpointStore, load_checkpoint
 from federation.coordinator.run_record import RECORD, WorkloadRecord, read_workload
 
 
@@ -28,19 +28,22 @@ class ExportError(RuntimeError):
 
 
 def find_checkpoint(run_dir: Path, rnd: int | None) -> Path:
-    """The checkpoint of round `rnd` (None: the latest) in `run_dir`."""
+    """The checkpoint of round `rnd` in `run_dir`; None: the checkpoints folder (its newest good
+    checkpoint is read, a damaged newest one passed over with a message)."""
     if not run_dir.is_dir():
         raise ExportError(f"{run_dir}: no such run directory; give the --workdir of a `sovfl simulate` or "
                           "`sovfl coordinator` run")
-    ckpts = run_dir / "checkpoints"
-    path = ckpts / ("latest.npz" if rnd is None else f"round_{rnd:04d}.npz")
-    if not path.exists():
-        have = sorted(p.name for p in ckpts.glob("round_*.npz")) if ckpts.is_dir() else []
-        if not have:
-            raise ExportError(f"{run_dir}: no checkpoint ({ckpts}/round_*.npz): the run aggregated no round yet; "
-                              "see its metrics.jsonl and progress.log")
-        raise ExportError(f"{path}: no such checkpoint; this run has {', '.join(have[-5:])}")
-    return path
+    store = CheckpointStore(run_dir / "checkpoints")
+    have = store.rounds()
+    if not have:
+        raise ExportError(f"{run_dir}: no checkpoint ({store.directory}/round_*): the run completed no round yet; "
+                          "see its metrics.jsonl and progress.log")
+    if rnd is None:
+        return store.directory
+    if rnd not in have:
+        raise ExportError(f"{store.path(rnd)}: no such checkpoint; this run has rounds "
+                          f"{', '.join(str(r) for r in sorted(have)[-5:])}")
+    return store.path(rnd)
 
 
 def run_workload(run_dir: Path, config: str | None) -> WorkloadRecord:
@@ -89,7 +92,10 @@ def export_run(run_dir: Path, out: Path, merge: bool = False, rnd: int | None = 
 
     path = find_checkpoint(run_dir, rnd)
     record = run_workload(run_dir, config)
-    done, weights, _ = load_checkpoint(path)
+    try:
+        done, weights, _ = load_checkpoint(path)
+    except CheckpointError as err:
+        raise ExportError(f"{path}: {err}") from None
     out = Path(out).absolute()
     # relative paths in the options (a model directory) are where the coordinator ran
     where = contextlib.chdir(record.cwd) if record.cwd.is_dir() else contextlib.nullcontext()

@@ -26,6 +26,7 @@ from typing import Callable
 from crypto.pki import provision
 from federation.config import resolve
 from federation.config.schema import ExperimentConfig, load_config
+from federation.ops.run_dir import prepare_workdir
 from site_trainer import endpoint
 from site_trainer.config import SiteConfig, TrainerConfig
 from site_trainer.launch import torchrun_argv
@@ -169,7 +170,8 @@ def register_supernodes(sup: Supervisor, public_keys: dict[str, Path], timeout_s
     for site, key in public_keys.items():
         proc = subprocess.run([_bin("flwr"), "supernode", "register", str(key), "sovfl", "--name", site],
                               capture_output=True, text=True, env=sup.env(), timeout=timeout_s)
-        if proc.returncode != 0:
+        # a restarted SuperLink keeps its database, and the keys registered in it (a resumed run)
+        if proc.returncode != 0 and "already in use" not in proc.stdout + proc.stderr:
             raise LaunchError(f"could not register site {site}'s SuperNode key {key}: {proc.stdout}{proc.stderr}")
 
 
@@ -272,10 +274,13 @@ def write_flwr_connection(sup: Supervisor, address: str, ca: Path | None) -> Non
 
 
 def submit_run(sup: Supervisor, config_path: Path, address: str, bundle: Path | None = None,
-               dev_issuer: Path | None = None) -> Proc:
+               dev_issuer: Path | None = None, resume: bool = False) -> Proc:
     """`flwr run` of our app; the coordinator's bundle (keys that open site envelopes) goes along,
-    and under `sovfl simulate` the dev attestation issuer's directory."""
+    and under `sovfl simulate` the dev attestation issuer's directory. With `resume` the ServerApp
+    continues from the workdir's last checkpoint (coordinator/resume.py)."""
     run_config = f'config-path="{config_path.resolve()}" workdir="{sup.workdir.resolve()}"'
+    if resume:
+        run_config += ' resume="true"'
     if bundle is not None:
         run_config += f' bundle-dir="{bundle}"'
     if dev_issuer is not None:
@@ -336,15 +341,17 @@ def result_line(result: dict) -> str:
 def simulate(config_path: str | Path, workdir: str | Path | None = None,
              progress: Callable[[str], None] = print, insecure: bool = False,
              tap: Callable[[str], str] | None = None,
-             node_config: dict[str, dict[str, str]] | None = None) -> dict:
+             node_config: dict[str, dict[str, str]] | None = None, resume: bool = False) -> dict:
     """Run a whole federation on loopback with real processes; returns the run's result.
 
     `tap` maps the SuperLink's address to the one the sites dial instead (a wire audit's
-    recording proxy); `node_config` adds per-site SuperNode settings (tests' hooks)."""
+    recording proxy); `node_config` adds per-site SuperNode settings (tests' hooks); `resume`
+    continues the run in `workdir` from its last checkpoint (every process is started afresh)."""
     config_path = Path(config_path)
     cfg = load_config(config_path)
     workdir = Path(workdir or Path("runs") / f"{cfg.federation.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     workdir.mkdir(parents=True, exist_ok=True)
+    prepare_workdir(workdir, config_path, resume)
     sockdir = Path(tempfile.mkdtemp(prefix="sovfl-"))  # short: Unix socket paths are limited
     sup = Supervisor(workdir)
     progress(f"sovfl simulate: {len(cfg.sites)} site(s) x ranks {[s.ranks for s in cfg.sites]}, "
@@ -372,7 +379,7 @@ def simulate(config_path: str | Path, workdir: str | Path | None = None,
             sup, s, dial, sockets[s.id], pki / "sites" / s.id, insecure,
             {**site_attestation_config(cfg, s.id, workdir / "sites" / s.id, issuer), **(node_config or {}).get(s.id, {})})
             for s in cfg.sites}
-        run = submit_run(sup, config_path, f"127.0.0.1:{port}", coord, issuer)
+        run = submit_run(sup, config_path, f"127.0.0.1:{port}", coord, issuer, resume=resume)
         watched = {**trainers, **{f"{k} (supernode)": v for k, v in supernodes.items()}}
         result = watch_run(sup, [superlink, run], watched, run_deadline(cfg), progress)
     finally:
