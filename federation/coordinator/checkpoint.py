@@ -90,7 +90,7 @@ def encode_arrays(arrays: Mapping[str, np.ndarray]) -> bytes:
         a = np.asarray(arr)
         if a.dtype.kind not in "fiub":
             raise CheckpointError(f"array {name!r} has dtype {a.dtype}: checkpoints hold numeric arrays only")
-        out[name] = np.ascontiguousarray(a)
+        out[name] = np.asarray(a, order="C")  # not ascontiguousarray: it makes a 0-dim array 1-dim
     return st_save(out)
 
 
