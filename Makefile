@@ -21,7 +21,7 @@ demo-hf: $(STAMP)
 	FLWR_TELEMETRY_ENABLED=0 $(PY) examples/hf_lora_demo.py
 
 test: $(STAMP)
-	FLWR_TELEMETRY_ENABLED=0 $(PY) -m pytest -q tests
+	FLWR_TELEMETRY_ENABLED=0 $(PY) -m pytest -q --durations=15 tests
 
 # Long runs. Fuzzing: 100,000 generated inputs per decoder of another party's bytes
 # (tests/fuzzing/README.md); FUZZ_ARGS passes options, e.g. FUZZ_ARGS="--inputs 1000 envelope-blob".

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import uuid
@@ -29,10 +30,17 @@ def sovfl(*args: str, env: dict | None = None, timeout: float = 600, **kw) -> su
                           env=_env(env), timeout=timeout, cwd=ROOT, **kw)
 
 
+def as_foreground() -> None:
+    """preexec_fn: SIGINT as a terminal's foreground command has it. A shell without job control
+    starts `cmd &` with SIGINT ignored and children inherit that, so a suite run that way would
+    otherwise see the tests' Ctrl-C ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def sovfl_popen(*args: str, env: dict | None = None) -> subprocess.Popen:
-    """Start the `sovfl` CLI in the background, stdout and stderr merged."""
+    """Start the `sovfl` CLI in the background, stdout and stderr merged; Ctrl-C (SIGINT) reaches it."""
     return subprocess.Popen([sys.executable, "-m", "federation.ops.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=_env(env), cwd=ROOT)
+                            stderr=subprocess.STDOUT, text=True, env=_env(env), cwd=ROOT, preexec_fn=as_foreground)
 
 
 @pytest.fixture

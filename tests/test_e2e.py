@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ROOT, assert_weighted_mean_rounds, live_marked, sovfl, sovfl_popen, write_config
+from conftest import ROOT, as_foreground, assert_weighted_mean_rounds, live_marked, sovfl, sovfl_popen, write_config
 from federation.coordinator.checkpoint import load_checkpoint, read_checkpoint
 
 pytestmark = pytest.mark.e2e
@@ -171,15 +171,18 @@ def test_coordinator_and_sites_as_separate_commands(tmp_path, marker):
     assert refused.returncode == 2 and "--bundle" in refused.stderr
     node1 = subprocess.Popen([sys.executable, "-m", "federation.ops.cli", "site", str(path), "--site", "paris",
                               "--node-rank", "1", "--workdir", str(tmp_path / "paris-node1")],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env,
+                                 preexec_fn=as_foreground)
     coord = subprocess.Popen([sys.executable, "-m", "federation.ops.cli", "coordinator", str(path), "--host", "127.0.0.1",
                               "--port", str(port), "--workdir", str(tmp_path / "coord"),
                               "--bundle", str(pki / "coordinator")],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env,
+                                 preexec_fn=as_foreground)
     sites = [subprocess.Popen([sys.executable, "-m", "federation.ops.cli", "site", str(path), "--site", name,
                                "--superlink", f"127.0.0.1:{port}", "--workdir", str(tmp_path / name),
                                "--socket", str(tmp_path / f"{name}.sock"), "--bundle", str(pki / "sites" / name)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env,
+                                 preexec_fn=as_foreground)
              for name in ("paris", "frankfurt")]
     try:
         out, _ = coord.communicate(timeout=300)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import ROOT, live_marked, sovfl, sovfl_popen, write_config
+from conftest import ROOT, as_foreground, live_marked, sovfl, sovfl_popen, write_config
 from faults import kill_coordinator
 from faults import rounds_done as _rounds
 from federation.coordinator.checkpoint import CheckpointStore, load_checkpoint
@@ -112,7 +112,7 @@ def test_simulate_coordinator_killed_in_round_2_resumes_bit_identical(reference,
 
 def _cli(*args: str, env: dict) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "federation.ops.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
+                            stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env, preexec_fn=as_foreground)
 
 
 @pytest.mark.skipif(not os.environ.get("SOVFL_E2E_DEPLOY"), reason="about 5 more minutes of processes; "
