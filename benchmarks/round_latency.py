@@ -40,6 +40,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from crypto.pki import provision  # noqa: E402
+from federation.coordinator.checkpoint import load_checkpoint  # noqa: E402
 from federation.config.schema import load_config  # noqa: E402
 from federation.ops import launcher  # noqa: E402
 
@@ -71,8 +72,8 @@ def run_ours(workdir: Path, config: Path) -> list[dict]:
 
 
 def model_shapes(workdir: Path) -> list[list[int]]:
-    with np.load(workdir / "ours" / "checkpoints" / "latest.npz") as z:
-        return [list(z[k].shape) for k in sorted(z.files) if k.startswith("model/")]
+    _, model, _ = load_checkpoint(workdir / "ours" / "checkpoints")  # the newest good checkpoint
+    return [list(model[k].shape) for k in sorted(model)]
 
 
 def run_flower(workdir: Path, config: Path, shapes: list[list[int]], rounds: int) -> dict:
