@@ -20,8 +20,12 @@ demo: $(STAMP)
 demo-hf: $(STAMP)
 	FLWR_TELEMETRY_ENABLED=0 $(PY) examples/hf_lora_demo.py
 
+# Tests run in TEST_WORKERS processes (pytest-xdist), a test file per worker at a time: the
+# end-to-end federations mostly wait on Flower's polling, so three share two cores well.
+# TEST_WORKERS=0 runs them one after another in this process.
+TEST_WORKERS ?= 3
 test: $(STAMP)
-	FLWR_TELEMETRY_ENABLED=0 $(PY) -m pytest -q --durations=15 tests
+	FLWR_TELEMETRY_ENABLED=0 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
 
 # Long runs. Fuzzing: 100,000 generated inputs per decoder of another party's bytes
 # (tests/fuzzing/README.md); FUZZ_ARGS passes options, e.g. FUZZ_ARGS="--inputs 1000 envelope-blob".

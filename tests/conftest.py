@@ -43,6 +43,12 @@ def sovfl_popen(*args: str, env: dict | None = None) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True, env=_env(env), cwd=ROOT, preexec_fn=as_foreground)
 
 
+def pytest_collection_modifyitems(session, config, items):  # noqa: ARG001 - pytest's hook signature
+    """Multi-process end-to-end tests first (stable otherwise): they are the long poles, and under
+    `pytest -n N` (make test) the short unit tests then fill the workers' gaps at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("e2e") is None)
+
+
 @pytest.fixture
 def single_rank_group():
     """A real gloo process group of one rank, in this process."""

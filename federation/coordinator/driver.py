@@ -98,8 +98,10 @@ class Coordinator:
 
     def __init__(self, grid: Grid | None, cfg: ExperimentConfig, workdir: Path, run_id: int,
                  initial: Arrays, progress: Callable[[str], None] | None = None,
-                 bundle: CoordinatorBundle | None = None, manifest: dict | None = None):
+                 bundle: CoordinatorBundle | None = None, manifest: dict | None = None,
+                 sites_starting_s: float = 0.0):
         self.grid, self.cfg, self.workdir, self.run_id = grid, cfg, Path(workdir), run_id
+        self.sites_starting_s = sites_starting_s  # sites started alongside us (simulate): their start-up is allowed too
         self.fed = cfg.federation
         self.spec = {k: (v.dtype.str, tuple(v.shape)) for k, v in initial.items()}  # updates as they travel
         self.model = to_master(initial, self.spec)  # float32 where bf16 travels as raw words
@@ -397,11 +399,11 @@ class Coordinator:
 
     # ---- stages of the run -----------------------------------------------------------------------
     def wait_for_sites(self) -> None:
-        """Wait for the configured sites to connect and say who they are (`deadlines.connect_s`).
-        What round 1 needs rides on this discovery query: attestation nonces, and the SecAgg plan
+        """Wait for the configured sites to connect and say who they are (`deadlines.connect_s`, plus
+        `sites_starting_s` when the launcher starts the sites alongside the coordinator). What round 1 needs rides on this discovery query: attestation nonces, and the SecAgg plan
         when the registry already holds every site's channel key."""
         want = len(self.cfg.sites)
-        end = time.monotonic() + self.fed.deadlines.connect_s
+        end = time.monotonic() + self.fed.deadlines.connect_s + self.sites_starting_s
         nodes: list[int] = []
         while time.monotonic() < end:
             nodes = list(self.grid.get_node_ids())

@@ -79,7 +79,9 @@ def main(grid: Grid, context: Context) -> None:
         if att.enabled:
             progress(attestation_line(att))
         resume = str(context.run_config.get("resume", "")).lower() == "true"
-        result = Coordinator(grid, cfg, workdir, context.run_id, initial, progress, bundle, manifest).run(resume=resume)
+        starting = float(context.run_config.get("sites-starting-s", 0) or 0)  # `sovfl simulate` starts sites alongside
+        result = Coordinator(grid, cfg, workdir, context.run_id, initial, progress, bundle, manifest,
+                             sites_starting_s=starting).run(resume=resume)
     except (ConfigError, FederationFailed, CheckpointError) as err:
         progress(f"FAILED: {err}")
         result = {"status": "failed", "error": str(err)}

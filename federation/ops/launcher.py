@@ -108,22 +108,29 @@ class Supervisor:
 
     def stop(self, proc: Proc, grace_s: float = 10.0) -> None:
         """SIGTERM the process group, then SIGKILL after `grace_s`."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.popen.pid, signal.SIGTERM)
-            os.killpg(proc.popen.pid, signal.SIGCONT)  # a stopped (hung) process must see the TERM
-        try:
-            proc.popen.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-        with contextlib.suppress(ProcessLookupError):  # stragglers in the group (e.g. superexec)
-            os.killpg(proc.popen.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.popen.wait(timeout=5)
+        self.stop_all([proc], grace_s)
+
+    def stop_all(self, procs: list[Proc], grace_s: float = 10.0) -> None:
+        """SIGTERM every group at once, wait for all under one deadline, then SIGKILL what is left:
+        a teardown costs the slowest child's shutdown, not the sum of them all."""
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.popen.pid, signal.SIGTERM)
+                os.killpg(proc.popen.pid, signal.SIGCONT)  # a stopped (hung) process must see the TERM
+        end = time.monotonic() + grace_s
+        for proc in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.popen.wait(timeout=max(0.0, end - time.monotonic()))
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):  # stragglers in the group (e.g. superexec)
+                os.killpg(proc.popen.pid, signal.SIGKILL)
+        for proc in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.popen.wait(timeout=5)
 
     def close(self) -> None:
         """Stop every child, then kill anything that still carries our marker (torchrun ranks)."""
-        for proc in reversed(self.procs):
-            self.stop(proc)
+        self.stop_all(list(reversed(self.procs)))
         self.procs.clear()
         for pid in marked_pids(self.owner, OWNER):  # anything that left its group (torchrun's ranks)
             with contextlib.suppress(ProcessLookupError):
@@ -166,13 +173,25 @@ def start_superlink(sup: Supervisor, port: int, host: str = "127.0.0.1", bundle:
 
 
 def register_supernodes(sup: Supervisor, public_keys: dict[str, Path], timeout_s: float = 60) -> None:
-    """Admit each site's provisioned SuperNode key at the SuperLink (`flwr supernode register`)."""
-    for site, key in public_keys.items():
-        proc = subprocess.run([_bin("flwr"), "supernode", "register", str(key), "sovfl", "--name", site],
-                              capture_output=True, text=True, env=sup.env(), timeout=timeout_s)
+    """Admit each site's provisioned SuperNode key at the SuperLink (`flwr supernode register`),
+    all sites at once (each is a `flwr` CLI process: its start-up, not the SuperLink, is the cost)."""
+    procs = {site: subprocess.Popen([_bin("flwr"), "supernode", "register", str(key), "sovfl", "--name", site],
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=sup.env())
+             for site, key in public_keys.items()}
+    end = time.monotonic() + timeout_s
+    failed = []
+    for site, proc in procs.items():
+        try:
+            out, _ = proc.communicate(timeout=max(0.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out = f"no answer within {timeout_s:.0f}s"
+            proc.returncode = 1
         # a restarted SuperLink keeps its database, and the keys registered in it (a resumed run)
-        if proc.returncode != 0 and "already in use" not in proc.stdout + proc.stderr:
-            raise LaunchError(f"could not register site {site}'s SuperNode key {key}: {proc.stdout}{proc.stderr}")
+        if proc.returncode != 0 and "already in use" not in out:
+            failed.append(f"could not register site {site}'s SuperNode key {public_keys[site]}: {out}")
+    if failed:
+        raise LaunchError("\n".join(failed))
 
 
 def wait_port(proc: Proc, port: int, deadline_s: float = 60.0) -> None:
@@ -274,13 +293,15 @@ def write_flwr_connection(sup: Supervisor, address: str, ca: Path | None) -> Non
 
 
 def submit_run(sup: Supervisor, config_path: Path, address: str, bundle: Path | None = None,
-               dev_issuer: Path | None = None, resume: bool = False) -> Proc:
+               dev_issuer: Path | None = None, resume: bool = False, sites_starting_s: float = 0.0) -> Proc:
     """`flwr run` of our app; the coordinator's bundle (keys that open site envelopes) goes along,
     and under `sovfl simulate` the dev attestation issuer's directory. With `resume` the ServerApp
     continues from the workdir's last checkpoint (coordinator/resume.py)."""
     run_config = f'config-path="{config_path.resolve()}" workdir="{sup.workdir.resolve()}"'
     if resume:
         run_config += ' resume="true"'
+    if sites_starting_s:
+        run_config += f' sites-starting-s="{sites_starting_s:g}"'
     if bundle is not None:
         run_config += f' bundle-dir="{bundle}"'
     if dev_issuer is not None:
@@ -368,18 +389,22 @@ def simulate(config_path: str | Path, workdir: str | Path | None = None,
         superlink = start_superlink(sup, port, bundle=None if insecure else coord)
         sockets = {s.id: str(sockdir / f"{s.id}.sock") for s in cfg.sites}
         trainers = {s.id: start_trainer(sup, s, cfg, sockets[s.id]) for s in cfg.sites}
-        wait_trainers(trainers, sockets, cfg.federation.deadlines.trainer_start_s, progress)
+        # The coordinator side starts while the trainers load (the slowest start-up): the ServerApp
+        # waits for the sites' SuperNodes, which start once their trainer answers.
         wait_port(superlink, port)
         write_flwr_connection(sup, f"127.0.0.1:{port}", None if insecure else coord / "ca.crt")
         if not insecure:
             register_supernodes(sup, {s.id: pki / "sites" / s.id / "supernode_auth.pub" for s in cfg.sites})
         issuer = pki / "dev-attestation-issuer" if cfg.federation.attestation.dev_issuer else None
+        site_att = {s.id: site_attestation_config(cfg, s.id, workdir / "sites" / s.id, issuer) for s in cfg.sites}
+        run = submit_run(sup, config_path, f"127.0.0.1:{port}", coord, issuer, resume=resume,
+                         sites_starting_s=cfg.federation.deadlines.trainer_start_s)
+        wait_trainers(trainers, sockets, cfg.federation.deadlines.trainer_start_s, progress)
         dial = tap(f"127.0.0.1:{port}") if tap else f"127.0.0.1:{port}"
         supernodes = {s.id: start_supernode(
             sup, s, dial, sockets[s.id], pki / "sites" / s.id, insecure,
-            {**site_attestation_config(cfg, s.id, workdir / "sites" / s.id, issuer), **(node_config or {}).get(s.id, {})})
+            {**site_att[s.id], **(node_config or {}).get(s.id, {})})
             for s in cfg.sites}
-        run = submit_run(sup, config_path, f"127.0.0.1:{port}", coord, issuer, resume=resume)
         watched = {**trainers, **{f"{k} (supernode)": v for k, v in supernodes.items()}}
         result = watch_run(sup, [superlink, run], watched, run_deadline(cfg), progress)
     finally:
