@@ -132,9 +132,12 @@ class Supervisor:
         """Stop every child, then kill anything that still carries our marker (torchrun ranks)."""
         self.stop_all(list(reversed(self.procs)))
         self.procs.clear()
-        for pid in marked_pids(self.owner, OWNER):  # anything that left its group (torchrun's ranks)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        end = time.monotonic() + 10.0  # a SIGKILLed process lingers until the kernel has run its exit
+        while (left := marked_pids(self.owner, OWNER)) and time.monotonic() < end:
+            for pid in left:  # anything that left its group (torchrun's ranks, the ServerApp)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.05)
 
 
 def marked_pids(marker: str, var: str = MARKER) -> list[int]:
