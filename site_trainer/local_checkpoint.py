@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import time
 from pathlib import Path
@@ -28,6 +27,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
                                                      set_state_dict)
+
+from crypto.durable import write_atomic
 
 log = logging.getLogger("sovfl.trainer")
 
@@ -64,9 +65,7 @@ def save(workdir: str | Path, round_no: int, model: torch.nn.Module, optimizer: 
     if rank == 0:
         meta = {"round": round_no, "parallelism": parallelism, "world_size": dist.get_world_size()}
         (path / "meta.json").write_text(json.dumps(meta))
-        tmp = root / "latest.tmp"
-        tmp.write_text(path.name)
-        os.replace(tmp, root / "latest")
+        write_atomic(root / "latest", path.name)
         done = sorted(p for p in root.glob("round_*") if p.is_dir() and p != path)
         for old in done[: max(0, len(done) - (keep - 1))]:
             shutil.rmtree(old, ignore_errors=True)

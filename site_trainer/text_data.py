@@ -56,6 +56,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from crypto.durable import write_atomic
 from site_trainer.workload import Dataset
 
 log = logging.getLogger("sovfl.text")
@@ -356,9 +357,7 @@ class _Progress:
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1, sort_keys=True))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(obj, indent=1, sort_keys=True))
 
 
 def build_tokens(files: Sequence[tuple[Path, str | None]], tokenizer, out_dir: Path, *, text_field: str,

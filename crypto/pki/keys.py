@@ -9,13 +9,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, x25519
+
+from crypto.durable import write_atomic
 
 from .errors import PkiMaterialError
 
@@ -45,16 +46,7 @@ def write_private(path: Path, data: bytes) -> None:
 
 def write_public(path: Path, data: bytes) -> None:
     """Atomically write a non-secret file (certificate, public key, manifest)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, data, 0o644)
 
 
 def write_json(path: Path, obj: Any) -> None:

@@ -30,6 +30,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 from pydantic import BaseModel, Field
 
+from crypto.durable import write_atomic
+
 from . import certs
 from .keys import (
     PEM, cert_fingerprint, load_cert, load_private, new_channel_key, new_sealing_key, new_signing_key,
@@ -212,8 +214,7 @@ def existing_sites(root: Path) -> list[str]:
 
 
 def _copy_public(src: Path, dst: Path) -> None:
-    shutil.copyfile(src, dst.with_name(f".{dst.name}.tmp"))
-    os.replace(dst.with_name(f".{dst.name}.tmp"), dst)
+    write_atomic(dst, src.read_bytes(), 0o644)
 
 
 def _write_site_public(root: Path, ca: _CA, site: str, coord: CoordinatorRecord) -> None:

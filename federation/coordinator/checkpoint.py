@@ -32,6 +32,7 @@ import numpy as np
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
+from crypto.durable import fsync_path, write_synced
 from federation.protocol.codecs import Arrays
 
 FORMAT = 1
@@ -66,20 +67,9 @@ def checkpoint_name(rnd: int) -> str:
     return f"round_{rnd:04d}"
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_file(path: Path, data: bytes) -> dict:
     """Write and fsync one file; its manifest entry."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    write_synced(path, data)
     return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
 
 
@@ -131,7 +121,7 @@ class CheckpointStore:
             order = {group: list(named) for group, named in arrays.items()}
             manifest = {"format": FORMAT, "round": rnd, "files": files, "order": order}
             _write_file(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
-            _fsync_dir(tmp)
+            fsync_path(tmp)
             final = self.path(rnd)
             if final.exists():  # a round redone after its checkpoint was found unusable
                 old = self.directory / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
@@ -140,7 +130,7 @@ class CheckpointStore:
                 shutil.rmtree(old, ignore_errors=True)
             else:
                 os.rename(tmp, final)
-            _fsync_dir(self.directory)
+            fsync_path(self.directory)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

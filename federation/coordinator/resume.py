@@ -34,13 +34,13 @@ What is deliberately not restored, and why:
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from crypto.durable import write_atomic
 from federation.config.schema import ConfigError
 from federation.coordinator.checkpoint import Checkpoint, CheckpointError, CheckpointStore
 from federation.protocol.codecs.base import Encoded
@@ -196,12 +196,7 @@ def write_metrics(path: Path, history: list[dict]) -> int:
     before = 0
     if path.exists():
         before = sum(1 for line in path.read_text(errors="replace").splitlines() if line.strip())
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.writelines(json.dumps(line) + "\n" for line in history)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, "".join(json.dumps(line) + "\n" for line in history))
     return max(0, before - len(history))
 
 

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from crypto.durable import write_atomic
 from federation.config.schema import ExperimentConfig
 from site_trainer.config import WorkloadConfig
 
@@ -30,12 +31,8 @@ class WorkloadRecord:
 
 def record_workload(workdir: Path, cfg: ExperimentConfig) -> Path:
     """Write the run's workload record (atomically)."""
-    path = Path(workdir) / RECORD
-    tmp = path.with_name(f".{RECORD}.tmp")
-    tmp.write_text(json.dumps({"workload": cfg.workload.model_dump(mode="json"), "seed": cfg.federation.seed,
-                               "cwd": os.getcwd()}, indent=1))
-    os.replace(tmp, path)
-    return path
+    return write_atomic(Path(workdir) / RECORD, json.dumps({
+        "workload": cfg.workload.model_dump(mode="json"), "seed": cfg.federation.seed, "cwd": os.getcwd()}, indent=1))
 
 
 def read_workload(run_dir: Path) -> WorkloadRecord:

@@ -12,22 +12,14 @@ crash leaves the old content or the new, never a torn one. numpy only.
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
+from crypto.durable import fsync_path, write_atomic
 from federation.protocol.codecs import Arrays
 from site_trainer import handoff
 
 STALE_S = 3600.0  # files older than this and not current are left-overs of a crash
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class ArrayFile:
@@ -51,11 +43,8 @@ class ArrayFile:
         self.dir.mkdir(parents=True, exist_ok=True)
         old = self.read()
         handle = handoff.write_arrays(arrays, tag=self.tag, directory=self.dir)
-        _fsync(handle.path)  # on disk before the index names it: a power cut cannot leave a torn file
-        tmp = self.index.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({**meta, "handle": handle.to_json()}))
-        _fsync(str(tmp))
-        os.replace(tmp, self.index)
+        fsync_path(handle.path)  # on disk before the index names it: a power cut cannot leave a torn file
+        write_atomic(self.index, json.dumps({**meta, "handle": handle.to_json()}))
         if old is not None and old[2].path != handle.path:
             handoff.release(old[2].path)  # a reader that mapped it keeps its mapping
         now = time.time()

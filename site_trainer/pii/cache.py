@@ -17,6 +17,8 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
+from crypto.durable import write_atomic
+
 from .scrubber import DocResult, Sample
 
 ENTRY_VERSION = 1
@@ -41,15 +43,7 @@ def private_dir(path: Path) -> Path:
 def write_private(path: Path, data: bytes) -> None:
     """Atomically write `data` to `path` as 0600, creating 0700 directories."""
     private_dir(path.parent)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, data, 0o600)
 
 
 class ScrubCache:
