@@ -49,6 +49,9 @@ def kill_coordinator(run: Path, marker: str) -> list[tuple[int, bytes]]:
 
 # ---- site side (issue 13): a site's trainer rank and its SuperNode ---------------------------------
 
+import time  # noqa: E402 - the site-side helpers' own import, kept with them
+
+
 def _args(pid: int) -> list[bytes]:
     return Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
 
@@ -97,3 +100,23 @@ def kill_site_rank(marker: str, site: str, rank: int = 0) -> int:
 def kill_supernode(marker: str, site: str) -> int:
     """SIGKILL the SuperNode of `site` (only that process, as a crash would); its pid."""
     return _kill_one(supernode_pids(marker, site), f"SuperNode of site {site}")
+
+
+def wait_gone(marker: str, timeout_s: float = 30.0) -> list[int]:
+    """Wait up to `timeout_s` for every process carrying `marker` to exit; those still alive."""
+    end = time.monotonic() + timeout_s
+    while (left := marked_pids(marker)) and time.monotonic() < end:
+        time.sleep(0.5)
+    return left
+
+
+def wait_rounds(run: Path, rounds: list[int], proc, timeout_s: float = 400.0) -> None:
+    """Block until the run's metrics.jsonl holds exactly `rounds`; fail if `proc` exits or time runs out."""
+    end = time.monotonic() + timeout_s
+    while rounds_done(run) != rounds:
+        if proc.poll() is not None:
+            raise AssertionError(f"the run exited with code {proc.returncode} before rounds {rounds}: "
+                                 f"{proc.stdout.read() if proc.stdout else ''}")
+        if time.monotonic() > end:
+            raise AssertionError(f"rounds {rounds} not done within {timeout_s:.0f}s")
+        time.sleep(0.05)
