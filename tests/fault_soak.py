@@ -1,29 +1,41 @@
-"""Seeded fault injection against the coordinator; `make soak` runs it after the fuzzing.
+"""Seeded fault injection against the coordinator and the sites; `make soak` runs it after the fuzzing.
 
     .venv/bin/python tests/fault_soak.py                     # 20 kills over a 15-round digits run
-    .venv/bin/python tests/fault_soak.py --kills 3 --rounds 5 --seed 1
+    .venv/bin/python tests/fault_soak.py --kills 4 --rounds 6 --seed 1
 
-One uninterrupted `sovfl simulate` run is the reference. The same configuration then runs again,
-and a schedule drawn from --seed SIGKILLs the coordinator (ServerApp, SuperLink and SuperExec) at
-a random moment of the rounds, whatever it is doing (a train stage, aggregation, the checkpoint
-write, the metrics line); after each kill the run goes on with `sovfl simulate --resume`. A kill
-lands before the first round of an attempt finishes as often as not, so the run can take more kills
-than rounds.
+A `sovfl simulate` run (2 sites, digits) is SIGKILLed by a schedule drawn from --seed, at random
+moments of its rounds, whatever it is doing (a train stage, aggregation, the checkpoint write, the
+metrics line). Each kill hits one of:
+- the coordinator (ServerApp, SuperLink and SuperExec): the run goes on with `sovfl simulate --resume`;
+- a site's SuperNode, or one of a site's trainer ranks: nothing is done by hand, the run's site
+  supervisor restarts it (federation/ops/site_supervisor.py; ranks resume from the site's local
+  checkpoint, sites[].checkpoint_every: 1). Site kills stop 5 rounds before the end (half the rounds in a
+  short run), so every killed site has rounds left to come back in.
+A kill lands before the first round of an attempt finishes as often as not, so the run can take
+more kills than rounds.
+
+What equality means. A site that is down misses the rounds it is down for, so the killed run's
+final model is legitimately not the one of a run where nothing died. The reference is therefore
+run after the killed one, uninterrupted, with the same seed and with each site told to sit out
+exactly the rounds it missed in the killed run (node config `absent-rounds`,
+federation/site/fault_hooks.py): both runs then aggregate the same sites in every round, and
+final_hash_equal compares their final global models bit for bit. That equality shows coordinator
+resumes are exact and restarted sites contribute exactly the update an unbroken site would have
+(their state comes back from the local checkpoint and site store, nothing from the dead process).
+Sites here run SGD on digits, whose rounds are deterministic (batch sampling is seeded per round).
 
 Prints one line per kill, then
-`RESULT kills=<n> rounds=<n> lost_rounds=<n> final_hash_equal=<true|false>`: lost_rounds counts
-rounds that had completed (their metrics line written) before a kill but were run again after it;
-final_hash_equal compares the final global model of the interrupted run with the reference's, bit
-for bit. Exit status 1 unless lost_rounds is 0 and the hashes are equal.
-
-Sites here run SGD on digits, whose rounds are deterministic (site batch sampling is seeded per
-round), which is what makes a bit-for-bit comparison meaningful. Only the coordinator is killed:
-restarting a site's trainer or SuperNode is not built yet.
+`RESULT kills=<n> rounds=<n> lost_rounds=<n> final_hash_equal=<true|false>`: kills counts every
+kind (the line before it splits them); lost_rounds counts rounds that had completed (their metrics
+line written) before a coordinator kill but were run again after it (a site kill never reruns a
+round: the round in flight goes on without that site). Exit status 1 unless lost_rounds is 0, the
+hashes are equal, every killed site contributed again after its kill, and no process is left.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import subprocess
@@ -39,28 +51,46 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 ROOT = Path(__file__).resolve().parents[1]
 
-from faults import kill_coordinator, rounds_done  # noqa: E402
+from faults import kill_coordinator, kill_site_rank, kill_supernode, rounds_done  # noqa: E402
 from federation.coordinator.checkpoint import CheckpointStore  # noqa: E402
 from federation.ops.launcher import marked_pids  # noqa: E402
 from federation.protocol.downlink_steps import model_digest  # noqa: E402
 
+SITES = ("paris", "berlin")
+KINDS = ("coordinator", "supernode", "rank")
+SITE_KILLS_STOP = 5  # no site kill once fewer rounds than this are left
+
 
 def config(directory: Path, rounds: int) -> Path:
-    site = {"ranks": 1, "local_steps": 3, "batch_size": 16, "lr": 0.1}
+    site = {"ranks": 1, "local_steps": 3, "batch_size": 16, "lr": 0.1, "checkpoint_every": 1}
     path = directory / "soak.yaml"
     path.write_text(yaml.safe_dump({
-        "federation": {"name": "soak", "rounds": rounds, "quorum": 2, "evaluate": False, "strategy": "fedadam",
-                       "deadlines": {"connect_s": 90, "round_s": 60, "trainer_start_s": 120}},
+        "federation": {"name": "soak", "rounds": rounds, "quorum": 1, "evaluate": False, "strategy": "fedadam",
+                       "deadlines": {"connect_s": 90, "round_s": 60, "trainer_start_s": 120},
+                       "site_restarts": {"max_restarts": 100, "backoff_s": 0.5}},
         "workload": {"task": "digits", "options": {"hidden": 16}},
-        "sites": [{"id": name, "partition": i, **site} for i, name in enumerate(("paris", "berlin"))],
+        "sites": [{"id": name, "partition": i, **site} for i, name in enumerate(SITES)],
     }, sort_keys=False))
     return path
 
 
-def sovfl(args: list[str], marker: str) -> subprocess.Popen:
+def _popen(argv: list[str], marker: str) -> subprocess.Popen:
     env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "SOVFL_RUN_MARKER": marker}
-    return subprocess.Popen([sys.executable, "-m", "federation.ops.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
+    return subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=ROOT, env=env)
+
+
+def sovfl(args: list[str], marker: str) -> subprocess.Popen:
+    return _popen(["-m", "federation.ops.cli", *args], marker)
+
+
+def simulate_absent(path: Path, workdir: Path, absent: dict[str, list[int]], marker: str) -> subprocess.Popen:
+    """An uninterrupted `simulate` whose sites sit out the given rounds (the reference)."""
+    node_config = {site: {"absent-rounds": ",".join(map(str, rounds))} for site, rounds in absent.items() if rounds}
+    code = ("import sys; from federation.ops.launcher import simulate, result_line; "
+            f"r = simulate({str(path)!r}, {str(workdir)!r}, node_config={node_config!r}); "
+            "print(result_line(r)); sys.exit(0 if r.get('status') == 'ok' else 1)")
+    return _popen(["-c", code], marker)
 
 
 def final_digest(run: Path) -> str:
@@ -68,11 +98,32 @@ def final_digest(run: Path) -> str:
     return model_digest(ckpt.arrays["model"]) if ckpt else "none"
 
 
+def metrics(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+
+def round_seconds(run: Path) -> float:
+    """The mean round time so far (all attempts' progress logs), 8 s before any round finished."""
+    times = [float(x) for log in run.glob("progress*.log")
+             for x in re.findall(r" in ([0-9.]+)s$", log.read_text(), re.M)]
+    return float(np.mean(times)) if times else 8.0
+
+
+def kill_site(kind: str, site: str, marker: str) -> int | None:
+    """SIGKILL a site's SuperNode or one of its ranks; None when it is down already (restarting)."""
+    try:
+        return kill_supernode(marker, site) if kind == "supernode" else kill_site_rank(marker, site)
+    except LookupError:
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kills", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--site-share", type=float, default=0.5, help="the share of kills aimed at sites")
     ap.add_argument("--workdir", help="where the two runs go (default: a temporary directory)")
     args = ap.parse_args(argv)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="sovfl-fault-soak-")).resolve()
@@ -80,59 +131,89 @@ def main(argv: list[str] | None = None) -> int:
     path = config(work, args.rounds)
     marker = uuid.uuid4().hex
     rng = np.random.default_rng(args.seed)
+    share = args.site_share / 2
+    stop = min(SITE_KILLS_STOP, max(2, args.rounds // 2))
     t0 = time.monotonic()
 
-    ref = sovfl(["simulate", str(path), "--workdir", str(work / "reference")], marker)
-    out, _ = ref.communicate()
-    if ref.returncode != 0:
-        print(out, file=sys.stderr)
-        print("fault soak: the reference run failed", file=sys.stderr)
-        return 1
-    round_s = float(np.mean([float(x) for x in re.findall(r" in ([0-9.]+)s$", out, re.M)] or [10.0]))
-    print(f"reference: {args.rounds} rounds in {time.monotonic() - t0:.0f}s (about {round_s:.1f}s a round)", flush=True)
-
-    run, kills, lost, attempt = work / "run", 0, 0, 0
+    run, lost, attempt = work / "run", 0, 0
+    counts = dict.fromkeys(KINDS, 0)
+    site_kills: list[tuple[str, int]] = []  # (site, rounds completed when it was killed)
+    out = ""
     while True:
         attempt += 1
         resume = ["--resume", str(run)] if attempt > 1 else []
         if resume and (run / "progress.log").exists():  # so that the wait below reads the new attempt's
             (run / "progress.log").rename(run / f"progress.attempt{attempt - 1}.log")
         proc = sovfl(["simulate", str(path), "--workdir", str(run), *resume], marker)
-        if kills >= args.kills:
-            out, _ = proc.communicate()
-            break
-        # the kill: a random moment once the rounds are under way (sites discovered)
         progress = run / "progress.log"
         while proc.poll() is None and not (progress.exists() and "sites: " in progress.read_text()):
             time.sleep(0.05)
-        if proc.poll() is not None:
-            out, _ = proc.communicate()
-            break  # finished (or failed) before the kill
-        time.sleep(float(rng.uniform(0.0, 1.5 * round_s)))
-        done_before = rounds_done(run)
-        victims = kill_coordinator(run, marker)
-        if not victims or proc.poll() is not None:
-            out, _ = proc.communicate()
-            break
-        kills += 1
-        proc.communicate(timeout=180)
-        ckpt = CheckpointStore(run / "checkpoints").latest()
-        resumed_from = ckpt.round if ckpt else 0
-        redone = max(0, (done_before[-1] if done_before else 0) - resumed_from)
-        lost += redone
-        print(f"kill {kills}: {len(victims)} process(es) after round {done_before[-1] if done_before else 0} "
-              f"completed; resuming from round {resumed_from} (lost {redone})", flush=True)
-    leftover = marked_pids(marker)
-    rounds = rounds_done(run)
-    equal = proc.returncode == 0 and rounds == list(range(1, args.rounds + 1)) and \
-        final_digest(run) == final_digest(work / "reference")
-    if proc.returncode != 0:
+        next_attempt = False
+        while proc.poll() is None and not next_attempt and sum(counts.values()) < args.kills:
+            time.sleep(float(rng.uniform(0.0, 1.5 * round_seconds(run))))
+            kind = str(rng.choice(KINDS, p=[1 - 2 * share, share, share]))
+            site = str(rng.choice(SITES))
+            done_before = rounds_done(run)
+            last = done_before[-1] if done_before else 0
+            if proc.poll() is not None:
+                break
+            if kind != "coordinator":
+                if last > args.rounds - stop:
+                    continue  # too late: the site could not show it is back
+                pid = kill_site(kind, site, marker)
+                if pid is None:
+                    continue  # that process is being restarted right now: draw again
+                counts[kind] += 1
+                site_kills.append((site, last))
+                print(f"kill {sum(counts.values())}: {kind} of site {site} (pid {pid}) after round {last} completed",
+                      flush=True)
+                continue
+            victims = kill_coordinator(run, marker)
+            if not victims or proc.poll() is not None:
+                break
+            counts[kind] += 1
+            proc.communicate(timeout=180)
+            ckpt = CheckpointStore(run / "checkpoints").latest()
+            resumed_from = ckpt.round if ckpt else 0
+            redone = max(0, last - resumed_from)
+            lost += redone
+            print(f"kill {sum(counts.values())}: coordinator ({len(victims)} process(es)) after round {last} "
+                  f"completed; resuming from round {resumed_from} (lost {redone})", flush=True)
+            next_attempt = True
+        if next_attempt:
+            continue
+        out, _ = proc.communicate()
+        break
+    ok = proc.returncode == 0
+    if not ok:
         print(out, file=sys.stderr)
+    lines = metrics(run)
+    rounds = [x["round"] for x in lines]
+    absent = {s: [x["round"] for x in lines if s not in x["sites"]] for s in SITES}
+    rejoined = all(any(s in x["sites"] for x in lines if x["round"] > after) for s, after in site_kills)
+    print(f"killed run: {attempt} attempt(s), {time.monotonic() - t0:.0f}s; metrics rounds {rounds}; rounds each "
+          f"site missed: {absent}; every killed site contributed again: {rejoined}", flush=True)
+
+    ref = simulate_absent(path, work / "reference", absent, marker)
+    ref_out, _ = ref.communicate()
+    if ref.returncode != 0:
+        print(ref_out, file=sys.stderr)
+        print("fault soak: the reference run failed", file=sys.stderr)
+    ref_absent = {s: [x["round"] for x in metrics(work / "reference") if s not in x["sites"]] for s in SITES}
+    same_sites = ref_absent == absent
+    equal = ok and ref.returncode == 0 and same_sites and rounds == list(range(1, args.rounds + 1)) and \
+        final_digest(run) == final_digest(work / "reference")
+    leftover = marked_pids(marker)
     if leftover:
         print(f"fault soak: {len(leftover)} process(es) left behind: {leftover}", file=sys.stderr)
-    print(f"fault soak: {attempt} attempt(s) in {time.monotonic() - t0:.0f}s; metrics rounds {rounds}; runs in {work}")
+    if not same_sites:
+        print(f"fault soak: the reference aggregated other sites than the killed run: {ref_absent} vs {absent}",
+              file=sys.stderr)
+    kills = sum(counts.values())
+    print(f"fault soak: {kills} kill(s): " + ", ".join(f"{k} {v}" for k, v in counts.items())
+          + f"; {time.monotonic() - t0:.0f}s in all; runs in {work}")
     print(f"RESULT kills={kills} rounds={len(rounds)} lost_rounds={lost} final_hash_equal={str(equal).lower()}")
-    return 0 if equal and lost == 0 and not leftover else 1
+    return 0 if equal and lost == 0 and rejoined and not leftover else 1
 
 
 if __name__ == "__main__":

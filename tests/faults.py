@@ -45,3 +45,78 @@ def kill_coordinator(run: Path, marker: str) -> list[tuple[int, bytes]]:
         except ProcessLookupError:
             pass
     return victims
+
+
+# ---- site side (issue 13): a site's trainer rank and its SuperNode ---------------------------------
+
+import time  # noqa: E402 - the site-side helpers' own import, kept with them
+
+
+def _args(pid: int) -> list[bytes]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+
+
+def site_rank_pids(marker: str, site: str) -> list[int]:
+    """The trainer ranks of `site` (the processes torchrun started, not torchrun itself)."""
+    suffix = f"sites/{site}/trainer.json".encode()
+    out = []
+    for pid in marked_pids(marker):
+        try:
+            args = _args(pid)
+        except OSError:
+            continue
+        if b"site_trainer" in args and b"torch.distributed.run" not in args and any(a.endswith(suffix) for a in args):
+            out.append(pid)
+    return sorted(out)
+
+
+def supernode_pids(marker: str, site: str) -> list[int]:
+    """The SuperNode process of `site` (its group also holds its SuperExec and ClientApps)."""
+    needle = f'site-id="{site}"'.encode()
+    out = []
+    for pid in marked_pids(marker):
+        try:
+            args = _args(pid)
+        except OSError:
+            continue
+        if any(a.endswith(b"flower-supernode") for a in args[:2]) and any(needle in a for a in args):
+            out.append(pid)
+    return sorted(out)
+
+
+def _kill_one(pids: list[int], what: str, rank: int = 0) -> int:
+    if not pids:
+        raise LookupError(f"no live {what} found")
+    pid = pids[min(rank, len(pids) - 1)]
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+def kill_site_rank(marker: str, site: str, rank: int = 0) -> int:
+    """SIGKILL one trainer rank of `site` (the `rank`-th by pid); its pid."""
+    return _kill_one(site_rank_pids(marker, site), f"trainer rank of site {site}", rank)
+
+
+def kill_supernode(marker: str, site: str) -> int:
+    """SIGKILL the SuperNode of `site` (only that process, as a crash would); its pid."""
+    return _kill_one(supernode_pids(marker, site), f"SuperNode of site {site}")
+
+
+def wait_gone(marker: str, timeout_s: float = 30.0) -> list[int]:
+    """Wait up to `timeout_s` for every process carrying `marker` to exit; those still alive."""
+    end = time.monotonic() + timeout_s
+    while (left := marked_pids(marker)) and time.monotonic() < end:
+        time.sleep(0.5)
+    return left
+
+
+def wait_rounds(run: Path, rounds: list[int], proc, timeout_s: float = 400.0) -> None:
+    """Block until the run's metrics.jsonl holds exactly `rounds`; fail if `proc` exits or time runs out."""
+    end = time.monotonic() + timeout_s
+    while rounds_done(run) != rounds:
+        if proc.poll() is not None:
+            raise AssertionError(f"the run exited with code {proc.returncode} before rounds {rounds}: "
+                                 f"{proc.stdout.read() if proc.stdout else ''}")
+        if time.monotonic() > end:
+            raise AssertionError(f"rounds {rounds} not done within {timeout_s:.0f}s")
+        time.sleep(0.05)

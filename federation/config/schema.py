@@ -15,6 +15,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from crypto.secagg import SecAggConfig
 from federation.config.attestation_config import AttestationConfig
+from federation.config.restart_config import SiteRestarts
 from federation.config.strict import StrictModel
 from federation.protocol.codecs import CodecError, parse_codec_config, validate_for_protection
 from site_trainer.config import SiteConfig, WorkloadConfig
@@ -56,6 +57,8 @@ class FederationConfig(StrictModel):
                                 "(configs/README.md); any codec, also with secagg; identity: dense")
     checkpoint_keep: int = Field(3, ge=1, description="coordinator checkpoints kept on disk (one per round; "
                                  "`--resume` falls back to an older one if the newest is damaged)")
+    site_restarts: SiteRestarts = Field(default_factory=SiteRestarts, description="restart budget of each site's "
+                                        "trainer pool and SuperNode (federation/config/restart_config.py)")
 
     @field_validator("downlink_codec")
     @classmethod

@@ -6,11 +6,12 @@ import argparse
 import signal
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 from crypto.pki import CoordinatorBundle, provision
 from federation.config.schema import ConfigError, load_config
-from federation.ops import export_cmd, launcher, report_cmd, run_dir, scrub_cmd
+from federation.ops import export_cmd, launcher, report_cmd, run_dir, scrub_cmd, site_supervisor
 from site_trainer.launch import RendezvousUnreachable, check_node_rank, wait_for_rendezvous
 
 
@@ -129,12 +130,17 @@ def cmd_site(args: argparse.Namespace) -> int:
     sup = launcher.Supervisor(workdir)
     try:
         start_s = cfg.federation.deadlines.trainer_start_s
-        trainer = launcher.start_trainer(sup, site, cfg, sock, join_timeout_s=start_s)
+        guard = launcher.site_guard(sup, cfg, print)  # restarts what dies (site_supervisor.py)
+        trainer = guard.watch_trainer(site.id, partial(launcher.start_trainer, sup, site, cfg, sock,
+                                                       join_timeout_s=start_s), sock)
         launcher.wait_trainers({site.id: trainer}, {site.id: sock}, start_s, print)
-        node = launcher.start_supernode(sup, site, args.superlink, sock, bundle, args.insecure,
-                                        launcher.site_attestation_config(cfg, site.id, workdir))
+        guard.watch_supernode(site.id, partial(launcher.start_supernode, sup, site, args.superlink, sock, bundle,
+                                               args.insecure, launcher.site_attestation_config(cfg, site.id, workdir)),
+                              args.superlink, None if args.insecure else bundle)
+        if cfg.federation.site_restarts.link_watch:
+            guard.watch_link(f"site {site.id}: SuperNode", args.superlink)
         print(f"site {site.id}: SuperNode connected to {args.superlink}; Ctrl-C to stop")
-        return _supervise(site, [trainer, node])
+        return site_supervisor.keep_running(guard)
     finally:
         sup.close()
 

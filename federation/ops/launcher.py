@@ -20,6 +20,7 @@ import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -313,8 +314,9 @@ def submit_run(sup: Supervisor, config_path: Path, address: str, bundle: Path | 
 
 
 def watch_run(sup: Supervisor, must_live: list[Proc], sites: dict[str, Proc], deadline_s: float,
-              progress: Callable[[str], None]) -> dict:
-    """Relay progress lines until result.json appears; fail fast if the coordinator side dies."""
+              progress: Callable[[str], None], tick: Callable[[], None] | None = None) -> dict:
+    """Relay progress lines until result.json appears; fail fast if the coordinator side dies.
+    `tick` runs on every turn (the site supervisor's restarts)."""
     result_path, progress_path = sup.workdir / "result.json", sup.workdir / "progress.log"
     seen, reported_dead = 0, set()
     end = time.monotonic() + deadline_s
@@ -329,6 +331,8 @@ def watch_run(sup: Supervisor, must_live: list[Proc], sites: dict[str, Proc], de
             seen = len(lines)
         if result_path.exists():
             return json.loads(result_path.read_text())
+        if tick is not None:
+            tick()
         for name, proc in sites.items():
             if not proc.alive() and name not in reported_dead:
                 reported_dead.add(name)
@@ -346,6 +350,13 @@ def watch_run(sup: Supervisor, must_live: list[Proc], sites: dict[str, Proc], de
         if time.monotonic() > end:
             raise LaunchError(f"the federation did not finish within {deadline_s:.0f}s")
         time.sleep(0.5)
+
+
+def site_guard(sup: Supervisor, cfg: ExperimentConfig, progress: Callable[[str], None]):
+    """The site supervisor that restarts this run's site processes (federation/ops/site_supervisor.py)."""
+    from federation.ops.site_supervisor import SiteSupervisor  # it builds on this module
+
+    return SiteSupervisor(sup, cfg.federation.site_restarts, progress)
 
 
 def run_deadline(cfg: ExperimentConfig) -> float:
@@ -391,7 +402,9 @@ def simulate(config_path: str | Path, workdir: str | Path | None = None,
         port = free_port()
         superlink = start_superlink(sup, port, bundle=None if insecure else coord)
         sockets = {s.id: str(sockdir / f"{s.id}.sock") for s in cfg.sites}
-        trainers = {s.id: start_trainer(sup, s, cfg, sockets[s.id]) for s in cfg.sites}
+        guard = site_guard(sup, cfg, progress)  # restarts dead trainers and SuperNodes (site_supervisor.py)
+        trainers = {s.id: guard.watch_trainer(s.id, partial(start_trainer, sup, s, cfg, sockets[s.id]), sockets[s.id])
+                    for s in cfg.sites}
         # The coordinator side starts while the trainers load (the slowest start-up): the ServerApp
         # waits for the sites' SuperNodes, which start once their trainer answers.
         wait_port(superlink, port)
@@ -404,12 +417,11 @@ def simulate(config_path: str | Path, workdir: str | Path | None = None,
                          sites_starting_s=cfg.federation.deadlines.trainer_start_s)
         wait_trainers(trainers, sockets, cfg.federation.deadlines.trainer_start_s, progress)
         dial = tap(f"127.0.0.1:{port}") if tap else f"127.0.0.1:{port}"
-        supernodes = {s.id: start_supernode(
-            sup, s, dial, sockets[s.id], pki / "sites" / s.id, insecure,
-            {**site_att[s.id], **(node_config or {}).get(s.id, {})})
-            for s in cfg.sites}
-        watched = {**trainers, **{f"{k} (supernode)": v for k, v in supernodes.items()}}
-        result = watch_run(sup, [superlink, run], watched, run_deadline(cfg), progress)
+        for s in cfg.sites:
+            guard.watch_supernode(s.id, partial(
+                start_supernode, sup, s, dial, sockets[s.id], pki / "sites" / s.id, insecure,
+                {**site_att[s.id], **(node_config or {}).get(s.id, {})}), dial, None if insecure else pki / "sites" / s.id)
+        result = watch_run(sup, [superlink, run], {}, run_deadline(cfg), progress, tick=guard.tick)
     finally:
         sup.close()
         shutil.rmtree(sockdir, ignore_errors=True)

@@ -34,6 +34,7 @@ from federation.protocol.pipeline import Payload
 from federation.site.attestation_mod import attestation_mod
 from federation.site.codec_mod import codec_mod
 from federation.site.downlink_mod import dense_global, downlink_mod
+from federation.site.fault_hooks import absent
 from federation.site.protection_mod import protection_mod
 from federation.site.replies import fail, status
 from federation.site.secagg_mod import secagg_mod
@@ -88,7 +89,10 @@ def train(msg: Message, context: Context) -> Message:
     """The bare train call: the trainer's update, dense, in the reply (the mods encode it). With
     `evaluate` in the round config the received model is evaluated first, on the site's held-out
     data, and those figures ride back with the update (no separate evaluate message)."""
-    evaluate_first = site_env(context).config.evaluate
+    env = site_env(context)
+    if (why := absent(env.node_config, env.config.round)) is not None:  # test only (fault_hooks.py)
+        return fail(msg, env.site, why)
+    evaluate_first = env.config.evaluate
     env, res = _trainer_call(msg, context, *(("evaluate", "train") if evaluate_first else ("train",)))
     if isinstance(res, Message):
         return res
