@@ -84,7 +84,9 @@ def test_crash_hang_and_hostile_site(tmp_path, marker):
     and the run ends within its deadlines leaving no process behind."""
     cfg = {
         "federation": {"name": "faults", "rounds": 3, "quorum": 2,
-                       "deadlines": {"connect_s": 60, "round_s": 20, "evaluate_s": 15, "trainer_start_s": 120}},
+                       # the crashed trainer must stay down (restarts: tests/test_e2e_site_restart.py)
+                       "site_restarts": {"enabled": False},
+                       "deadlines": {"connect_s": 60, "round_s": 30, "evaluate_s": 15, "trainer_start_s": 120}},
         "workload": {"task": "digits", "options": {"hidden": 16}},
         "sites": [_site(0, "a", 1), _site(1, "b", 1), _site(2, "c", 1), _site(3, "hostile", 1, lr=1e30)],
     }
