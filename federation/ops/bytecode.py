@@ -23,13 +23,11 @@ PACKAGES = ("crypto", "federation", "site_trainer")
 OPT_OUT = "SOVFL_NO_PRECOMPILE"  # set to 1 to leave bytecode alone (e.g. a read-only image)
 
 
-@functools.cache
-def ensure_compiled() -> bool:
-    """Compile our packages' stale or missing bytecode (once per process); True when all is current."""
-    if os.environ.get(OPT_OUT) == "1":
-        return False
+def compile_packages(names: tuple[str, ...]) -> bool:
+    """Write the missing or stale bytecode of the packages `names` (as found on sys.path); True when
+    every module compiled and was written."""
     ok = True
-    for name in PACKAGES:
+    for name in names:
         spec = importlib.util.find_spec(name)
         for directory in (spec.submodule_search_locations or []) if spec else []:
             try:
@@ -37,3 +35,9 @@ def ensure_compiled() -> bool:
             except OSError:
                 ok = False
     return ok
+
+
+@functools.cache
+def ensure_compiled() -> bool:
+    """Our packages' bytecode, current (checked once per process; `SOVFL_NO_PRECOMPILE=1` skips it)."""
+    return os.environ.get(OPT_OUT) != "1" and compile_packages(PACKAGES)
