@@ -46,6 +46,7 @@ from federation.coordinator.downlink_sender import DownlinkSender
 from federation.coordinator.evaluation import EvalRider, Evaluation
 from federation.coordinator.manifest_check import BaseCheck
 from federation.coordinator.plain_round import PlainRound
+from federation.coordinator.polling import PollSchedule
 from federation.coordinator.resume import checkpoint_round, resume_run
 from federation.coordinator.strategy import (
     Exchange,
@@ -68,7 +69,6 @@ from federation.protocol.wire_dtypes import WireCopy, to_master
 __all__ = ["Coordinator", "FederationFailed", "Site"]
 
 log = logging.getLogger("sovfl.coordinator")
-POLL_MIN_S, POLL_MAX_S = 0.02, 0.25  # reply polling backs off from 20 ms to 250 ms while nothing comes
 O = TypeVar("O")
 
 
@@ -209,9 +209,9 @@ class Coordinator:
         del built
         result.push_s = time.monotonic() - t0
         end = time.monotonic() + ex.deadline_s
-        poll = POLL_MIN_S
+        poll = PollSchedule()  # (polling.py: how often a wait asks the SuperLink)
         while pending and time.monotonic() < end:
-            got = self._pull_side()
+            self._pull_side()
             batches = [[mid] for mid in pending] if receive else [list(pending)]
             for batch in batches:
                 for reply in self.grid.pull_messages(batch):
@@ -219,7 +219,6 @@ class Coordinator:
                     if entry is None:
                         continue
                     node, seen = entry
-                    got = True
                     result.by_node[node] = time.monotonic() - t0
                     for rider in seen:
                         rider.take(node, reply)
@@ -230,8 +229,7 @@ class Coordinator:
                         result.receive_s += time.monotonic() - t1
                     reply = good = None  # streamed: drop this reply before the next pull
             if pending:
-                poll = POLL_MIN_S if got else min(POLL_MAX_S, poll * 1.5)
-                time.sleep(max(0.0, min(poll, end - time.monotonic())))
+                time.sleep(max(0.0, min(poll.next_wait(), end - time.monotonic())))
         self._pull_side()
         for node, seen in pending.values():
             result.failed[names[node]] = f"deadline: no reply within {ex.deadline_s:.0f}s (crashed, hung or disconnected)"
@@ -386,10 +384,10 @@ class Coordinator:
         try:
             res = self.exchange(Exchange(f"prepare round {rnd}", "query", [], lambda n: RecordDict(),
                                          float(self.fed.deadlines.secagg_stage_s)))
-            deadline = time.monotonic() + float(self.fed.deadlines.secagg_stage_s)
+            deadline, poll = time.monotonic() + float(self.fed.deadlines.secagg_stage_s), PollSchedule()
             while self._side and time.monotonic() < deadline:  # here the round does wait for them
                 if not self._pull_side():
-                    time.sleep(POLL_MIN_S)
+                    time.sleep(max(0.0, min(poll.next_wait(), deadline - time.monotonic())))
             self.drain()
         finally:
             self.riders = saved

@@ -27,6 +27,7 @@ from typing import Callable
 from crypto.pki import provision
 from federation.config import resolve
 from federation.config.schema import ExperimentConfig, load_config
+from federation.ops.bytecode import ensure_compiled
 from federation.ops.run_dir import prepare_workdir
 from site_trainer import endpoint
 from site_trainer.config import SiteConfig, TrainerConfig
@@ -96,6 +97,7 @@ class Supervisor:
 
     def start(self, name: str, argv: list[str], extra_env: dict[str, str] | None = None) -> Proc:
         """Start a child in its own process group, output to logs/<name>.log."""
+        ensure_compiled()  # children import our packages from bytecode, not source (ops/bytecode.py)
         logs = self.workdir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         log = logs / f"{name}.log"
