@@ -25,6 +25,7 @@ demo-hf: $(STAMP)
 # TEST_WORKERS=0 runs them one after another in this process.
 TEST_WORKERS ?= 3
 test: $(STAMP)
+	$(PY) -c 'from federation.ops.bytecode import ensure_compiled; ensure_compiled()'  # for processes tests start themselves
 	FLWR_TELEMETRY_ENABLED=0 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
 
 # Long runs. Fuzzing: 100,000 generated inputs per decoder of another party's bytes
