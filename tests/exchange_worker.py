@@ -20,6 +20,7 @@ from site_trainer.config import SiteConfig, TrainerConfig, WorkloadConfig
 from site_trainer.local_trainer import LocalTrainer
 from site_trainer.session import SessionError
 from site_trainer.workloads import initial_weights
+from group_exit import leave
 
 LORA = WorkloadConfig(task="user_tasks:Toy")
 FULL = WorkloadConfig(task="user_tasks:Toy", options={"lora": False})
@@ -91,8 +92,7 @@ def main(out_path: str, workdir: str) -> None:
     out["misuse"] = np.array(every_rank(out_misuse))
     if rank == 0:
         np.savez(out_path, **out)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave()  # group_exit.py
 
 
 if __name__ == "__main__":

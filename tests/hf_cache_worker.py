@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from site_trainer import text_data
+from group_exit import leave
 
 
 class Explodes:
@@ -66,8 +67,7 @@ def main(model_dir: str, data_dir: str, workdir: str, out_dir: str) -> None:
         "unshared": run_case(text_data.Corpus(files), tok, work if rank == 0 else work / f"elsewhere{rank}"),
     }
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave()  # group_exit.py
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from site_trainer.tasks.hf_causal_lm import CausalLM
 from site_trainer.workload import TaskContext
+from group_exit import leave
 
 
 def sharded(task: CausalLM, reshard: bool) -> tuple[torch.nn.Module, int]:
@@ -102,8 +103,7 @@ def main(out_path: str, workdir: str, *cases: str) -> None:
         results[case["name"]] = run_case(case, Path(workdir))
     if dist.get_rank() == 0:
         Path(out_path).write_text(json.dumps(results))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave()  # group_exit.py
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from site_trainer.config import SiteConfig, TrainerConfig, WorkloadConfig
 from site_trainer.local_trainer import LocalTrainer
 from site_trainer.workloads import initial_weights
+from group_exit import leave
 
 SLM = WorkloadConfig(task="slm", options={"n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 16,
                                           "corpus_bytes_per_site": 20_000})
@@ -100,10 +101,7 @@ def main(out_path: str, workdir: str) -> None:
         out[f"sched-lr-{strategy}"] = np.array(lrs + [t.optimizer.param_groups[0]["lr"]])
     if dist.get_rank() == 0:
         np.savez(out_path, **out)
-    # tear the group down together: a rank that leaves while its peer is still writing has been
-    # seen to abort in gloo's destructors (SIGABRT, "terminate called without an active exception")
-    dist.barrier()
-    dist.destroy_process_group()
+    leave()  # group_exit.py
 
 
 if __name__ == "__main__":
