@@ -47,6 +47,7 @@ from federation.coordinator.evaluation import EvalRider, Evaluation
 from federation.coordinator.manifest_check import BaseCheck
 from federation.coordinator.plain_round import PlainRound
 from federation.coordinator.resume import checkpoint_round, resume_run
+from federation.coordinator import stage_hook
 from federation.coordinator.strategy import (
     Exchange,
     ExchangeResult,
@@ -285,6 +286,7 @@ class Coordinator:
                 ex = step.configure(state)
                 if ex is None:
                     continue
+                stage_hook.entered(ex.stage, state)  # test hook: inert unless SOVFL_TEST_STAGE_HOOK is set
                 result = self.exchange(ex, partial(step.receive, state) if step.receive else None)
                 traffic.down += result.bytes_down
                 traffic.up += result.bytes_up
