@@ -11,6 +11,7 @@ does and then makes the receiver's real calls, in the order the receiving code m
                      or envelope_layout.envelope_of for a signed update] -> wire_dtypes.to_master ->
                      pipeline.check_update (the model has a bf16 tensor that travels as <u2 words)
   codec-payload      every built-in codec's `Codec.decode` (codecs/*), on the records a site sends
+  codec-spec         codecs.parse_codec of a spec string the other side chose (round config, downlink)
   envelope-layout    coordinator, after an envelope opened: envelope_layout.from_inner (signed layout
                      JSON + the opened buffer; an authenticated but hostile site controls both)
   downlink-record    site (site/downlink_mod.py: receive_global): downlink_steps.reconstruct over
@@ -346,6 +347,22 @@ def decode_codec_payload(data: bytes) -> object:
     payload = from_records(rd)
     return parse_codec(spec).decode(Encoded(payload.arrays, payload.meta), UpdateSpec.of(model()),
                                     CodecRound(ROUND, _ctx().seed))
+
+
+def codec_spec_seeds() -> list[bytes]:
+    from federation.protocol.codecs import parse_codec
+
+    return [parse_codec(spec).spec.encode() for spec in UPDATE_CODECS] + [b"topk:1%:index=int32+int16:block=64"]
+
+
+def decode_codec_spec(data: bytes) -> object:
+    """A codec spec string from the other side (the round config's `codec`, a downlink step's
+    `codec`): parsed and built, as a site does before it decodes or encodes with it."""
+    from federation.protocol.codecs import parse_codec
+
+    from .mutate import as_text
+
+    return parse_codec(as_text(data))
 
 
 # ---- the signed layout inside an envelope -------------------------------------------------------------

@@ -141,6 +141,7 @@ def _register_protocol() -> None:
              strategy=records)
     register("codec-payload", p.decode_codec_payload, _protocol_rejects(CodecError, UpdateRejected),
              seeds=p.codec_payload_seeds, strategy=records)
+    register("codec-spec", p.decode_codec_spec, CodecError, seeds=p.codec_spec_seeds, max_size=256)
     register("envelope-layout", p.decode_envelope_layout, UpdateRejected, seeds=p.envelope_layout_seeds,
              strategy=p.envelope_layout_strategy)
     register("downlink-record", p.decode_downlink_record, _protocol_rejects(DownlinkError, UpdateRejected),
