@@ -48,7 +48,7 @@ def parse_array(arr: Array, key: str = "", copy: bool = True) -> np.ndarray:
     if arr.stype != "numpy.ndarray" or not isinstance(arr.data, (bytes, bytearray, memoryview)):
         raise MalformedRecord(key, f"serialization type {arr.stype!r} is not numpy.ndarray")
     data = memoryview(arr.data).cast("B")
-    buf = BytesIO(data[:_MAX_HEADER].tobytes())
+    buf = BytesIO(data[:_header_end(data)].tobytes())  # the header only: not 64 KiB per small array
     try:
         version = np.lib.format.read_magic(buf)
         if version == (1, 0):
@@ -72,6 +72,15 @@ def parse_array(arr: Array, key: str = "", copy: bool = True) -> np.ndarray:
     out = np.frombuffer(data, dtype=dtype, count=count, offset=buf.tell())
     out = out.reshape(shape[::-1]).transpose() if fortran else out.reshape(shape)
     return np.array(out, order="C") if copy else out
+
+
+def _header_end(data: memoryview) -> int:
+    """Where a .npy header claims to end (magic, version, length field), at most _MAX_HEADER."""
+    lengths = {1: (10, 8, 10), 2: (12, 8, 12)}.get(data[6] if len(data) > 6 else 0)
+    if lengths is None:
+        return min(len(data), 16)  # not a version numpy reads: read_magic says so
+    fixed, lo, hi = lengths
+    return min(fixed + int.from_bytes(bytes(data[lo:hi]), "little"), _MAX_HEADER)
 
 
 def array_view(arr: Array, key: str = "") -> np.ndarray:
