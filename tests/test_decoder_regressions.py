@@ -268,3 +268,25 @@ def test_masked_chunk_claiming_a_huge_size_is_refused_before_allocation() -> Non
     finally:
         tracemalloc.stop()
     assert peak < 1 << 20
+
+
+@pytest.mark.parametrize("value", ["many", float("inf"), float("nan"), 2.5, b"9", True, None, [1], -1, 2**60],
+                         ids=["str", "inf", "nan", "fraction", "bytes", "bool", "missing", "list", "negative", "huge"])
+def test_status_num_examples_of_any_type_is_a_counted_rejection(value) -> None:
+    """The coordinator read `int(status["num_examples"])`: a hostile site's string, inf or NaN raised
+    ValueError/OverflowError out of the round (only UpdateRejected is counted). Now `bad_status`."""
+    from federation.protocol.pipeline import UpdateRejected
+    from federation.protocol.status_record import num_examples
+
+    status = {"site": "a"} if value is None else {"site": "a", "num_examples": value}
+    with pytest.raises(UpdateRejected, match="bad_status"):
+        num_examples(status)
+
+
+def test_status_fields_of_valid_replies_read_as_before() -> None:
+    from federation.protocol.status_record import num_examples, site_name
+
+    assert num_examples({"num_examples": 900}) == 900 and num_examples({"num_examples": 900.0}) == 900
+    assert site_name({"site": "paris"}) == "paris"
+    with pytest.raises(ValueError, match="bad_status"):
+        site_name({"site": 7})

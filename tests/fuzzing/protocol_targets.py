@@ -17,6 +17,7 @@ does and then makes the receiver's real calls, in the order the receiving code m
   downlink-record    site (site/downlink_mod.py: receive_global): downlink_steps.reconstruct over
                      from_records, or the dense model through from_records(copy=False)
   round-config       site: round_config.RoundConfig.from_record of the CONFIG record
+  status-record      coordinator: status_record.site_name / num_examples of a reply's STATUS
   secagg-request     site: secagg_records.Request.parse (SECAGG and SECAGG_SETUP records) and the
                      SecAggConfig JSON it carries, as site/secagg_mod.py reads it
   secagg-reply       coordinator: secagg_records.check_reply, reply_bytes, signature_of (setup and
@@ -481,6 +482,31 @@ def decode_round_config(data: bytes) -> object:
 
     _, rd = _split(data, ("site",))
     return RoundConfig.from_record(rd.config_records.get(keys.CONFIG))
+
+
+# ---- the STATUS record of every reply ----------------------------------------------------------------------
+
+def status_record_seeds() -> list[bytes]:
+    from federation.protocol import message_keys as keys
+    from flwr.app import ConfigRecord, RecordDict
+
+    records = [ConfigRecord({"site": "site-a", "ok": True, "error": "", "num_examples": 900, "ranks": 2}),
+               ConfigRecord({"site": "site-b", "ok": True, "error": "", "num_examples": 360,
+                             "rank_digests": ["0a684289fde0b0ae"], keys.MODEL_DIGEST: "4f0ae23489627e14"})]
+    return [b"\0" + records_bytes(RecordDict({keys.STATUS: r})) for r in records]
+
+
+def decode_status_record(data: bytes) -> object:
+    """What the coordinator reads of a reply's STATUS (discovery, a train reply's count), as
+    federation/coordinator does through federation.protocol.status_record."""
+    from federation.protocol import message_keys as keys
+    from federation.protocol.status_record import StatusError, num_examples, site_name
+
+    _, rd = _split(data, ("coordinator",))
+    status = rd.config_records.get(keys.STATUS)
+    if status is None:
+        raise StatusError("no status record")
+    return site_name(status), num_examples(status)
 
 
 # ---- SecAgg+ records ------------------------------------------------------------------------------------

@@ -148,6 +148,8 @@ def _register_protocol() -> None:
              seeds=p.downlink_seeds, strategy=records)
     register("round-config", p.decode_round_config, _protocol_rejects(RoundConfigError), seeds=p.round_config_seeds,
              strategy=records)
+    register("status-record", p.decode_status_record, _protocol_rejects(UpdateRejected), seeds=p.status_record_seeds,
+             strategy=records)
     register("secagg-request", p.decode_secagg_request, _protocol_rejects(SecAggMessageError),
              seeds=p.secagg_request_seeds, strategy=records)
     register("secagg-reply", p.decode_secagg_reply, _protocol_rejects(SecAggMessageError), seeds=p.secagg_reply_seeds,
