@@ -206,11 +206,14 @@ def test_update_envelope_fields_of_another_type_are_rejected(value) -> None:
 
 
 @pytest.mark.parametrize("layout", [[["w", "<f4", [2**32, 2**32], 0]], [["w", "<f4", [2**70], 0]],
-                                    [["w", "<f4", [-1, -4], 0]], [["w", ["<f4"], [1], 0]], [["w", "<f4", [1], 2**70]]],
-                         ids=["wraps-to-0", "beyond-int64", "negative-dims", "dtype-list", "offset-beyond-int64"])
+                                    [["w", "<f4", [-1, -4], 0]], [["w", ["<f4"], [1], 0]], [["w", "<f4", [1], 2**70]],
+                                    [["w", "f4,(,)", [1], 0]], [["w", "(2,)f4", [1], 0]]],
+                         ids=["wraps-to-0", "beyond-int64", "negative-dims", "dtype-list", "offset-beyond-int64",
+                              "dtype-comma-string", "dtype-subarray"])
 def test_signed_layout_with_hostile_shapes_is_malformed(layout) -> None:
     """unpack computed sizes with np.prod(int64): (2**32, 2**32) wrapped to 0, 2**70 raised
-    OverflowError; now Python ints and non-negative dims, or `malformed`."""
+    OverflowError, and np.dtype("f4,(,)") raised SyntaxError (numpy parses comma strings with ast;
+    found by the 100k soak); now Python ints, non-negative dims and plain dtype strings, or `malformed`."""
     import json
 
     from federation.protocol.envelope_layout import from_inner

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 
@@ -22,6 +23,7 @@ ARRAY = "envelope"  # the payload array holding the envelope body
 HEADER, SIGNATURE = "envelope_header", "envelope_signature"  # payload meta fields
 _ALLOWED_KINDS = set("fiub")  # numeric and bool dtypes only; never objects
 _MAX_DIMS = 32
+_DTYPE = re.compile(r"[<>|=][fiub][1248]")  # a plain numeric dtype's .str
 
 
 def _is_count(x: object) -> bool:
@@ -45,7 +47,8 @@ def unpack(buf: np.ndarray, layout: list) -> Arrays:
     out = {}
     try:
         for name, dtype, shape, off in layout:
-            dt = np.dtype(dtype) if isinstance(dtype, str) else None
+            # only what `pack` writes ('<f4', '|u1', ...): numpy parses other strings with ast (SyntaxError)
+            dt = np.dtype(dtype) if isinstance(dtype, str) and _DTYPE.fullmatch(dtype) else None
             if dt is None or dt.kind not in _ALLOWED_KINDS or dt.hasobject or dt.subdtype is not None:
                 raise ValueError(f"dtype {str(dtype)[:40]} not allowed")
             if not (isinstance(shape, list) and len(shape) <= _MAX_DIMS and all(_is_count(d) for d in shape)
