@@ -119,4 +119,42 @@ def wait_rounds(run: Path, rounds: list[int], proc, timeout_s: float = 400.0) ->
                                  f"{proc.stdout.read() if proc.stdout else ''}")
         if time.monotonic() > end:
             raise AssertionError(f"rounds {rounds} not done within {timeout_s:.0f}s")
+
+
+# ---- kills inside a given stage (the coordinator's test hook, federation/coordinator/stage_hook.py) ----
+
+
+def stage_hook_env(hook_file: Path, pause: str = "") -> dict[str, str]:
+    """Environment that makes the ServerApp announce every stage it enters to `hook_file` and, with
+    `pause` ("<round>:<stage prefix>", e.g. "2:secagg stage 4"), wait there to be killed."""
+    from federation.coordinator import stage_hook
+
+    env = {stage_hook.HOOK: str(hook_file)}
+    if pause:
+        env[stage_hook.PAUSE] = pause
+    return env
+
+
+def stage_entries(hook_file: Path) -> list[dict]:
+    """The stages the coordinator announced, in order (complete lines only)."""
+    path = Path(hook_file)
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip().endswith("}")]
+
+
+def wait_for_stage(hook_file: Path, rnd: int, stage: str, alive, timeout_s: float = 400.0) -> dict:
+    """Block until the coordinator announces entering the stage of round `rnd` whose name starts with
+    `stage`; its entry. `alive()` False (the run ended) or the timeout fail the wait."""
+    import time
+
+    t0 = time.monotonic()
+    while True:
+        hits = [e for e in stage_entries(hook_file) if e["round"] == rnd and e["stage"].startswith(stage)]
+        if hits:
+            return hits[0]
+        if not alive():
+            raise AssertionError(f"the run ended before round {rnd} entered {stage!r}: {stage_entries(hook_file)}")
+        if time.monotonic() - t0 > timeout_s:
+            raise AssertionError(f"round {rnd} did not enter {stage!r} within {timeout_s:.0f}s")
         time.sleep(0.05)

@@ -123,3 +123,173 @@ def test_one_neighbour_row_matches_the_whole_graph(n: int, degree: int) -> None:
     assert all(neighbours_of(roster, degree, seed, u) == graph[u] for u in roster)
     with pytest.raises(ValueError):
         neighbours_of(roster, degree, seed, 0)
+
+
+# ---- federation/protocol (found by tests/fuzzing/protocol_targets.py) -----------------------------------
+
+
+def _npy_array(shape, dtype: str = "<f4", body: bytes = b"\0" * 16):
+    from flwr.app import Array
+
+    from fuzzing.protocol_targets import npy_bytes
+
+    return Array(dtype=str(np.dtype(dtype)), shape=tuple(shape), stype="numpy.ndarray", data=npy_bytes(shape, dtype, body))
+
+
+@pytest.mark.parametrize("shape", [(2**40,), (2**32, 2**32, 2**32), (-1,), (2**63 - 1,)],
+                         ids=["2**40", "wraps-to-0", "negative", "int64-max"])
+def test_record_array_claiming_a_huge_size_is_refused_before_allocation(shape) -> None:
+    """Flower's Array.numpy() (np.load) allocated the size a .npy header claims before reading a byte
+    (MemoryError for 4 TiB, or a lazily mapped 16 GiB); from_records now checks the claim first."""
+    import tracemalloc
+
+    from flwr.app import ArrayRecord, RecordDict
+
+    from federation.protocol.payload_records import MalformedRecord, from_records
+
+    rd = RecordDict({"arrays": ArrayRecord({"w": _npy_array(shape)})})
+    tracemalloc.start()
+    try:
+        for copy in (True, False):
+            with pytest.raises(MalformedRecord, match="malformed_array"):
+                from_records(rd, copy=copy)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
+
+
+def test_record_array_header_that_does_not_tokenize_is_malformed() -> None:
+    """numpy's header parser raised tokenize.TokenError (not a ValueError) on an unclosed bracket."""
+    from flwr.app import Array, ArrayRecord, RecordDict
+
+    from federation.protocol.payload_records import MalformedRecord, from_records
+
+    text = b"{'descr': '<f4', 'fortran_order': False, 'shape': (1,"
+    text += b" " * (63 - (10 + len(text)) % 64) + b"\n"
+    data = b"\x93NUMPY\x01\x00" + len(text).to_bytes(2, "little") + text + b"\0" * 4
+    rd = RecordDict({"arrays": ArrayRecord({"w": Array(dtype="float32", shape=(1,), stype="numpy.ndarray", data=data)})})
+    with pytest.raises(MalformedRecord):
+        from_records(rd)
+
+
+def test_record_arrays_of_valid_input_decode_as_before() -> None:
+    """The checked parse returns what Array.numpy() did, C and Fortran order, and views read-only."""
+    from flwr.app import Array, ArrayRecord, RecordDict
+
+    from federation.protocol.payload_records import from_records, to_array
+
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    rd = RecordDict({"arrays": ArrayRecord({"c": to_array(a), "f": Array(np.asfortranarray(a)),
+                                            "z": to_array(np.float32(2.5)), "e": to_array(np.zeros((0, 3), np.int8))})})
+    for copy in (True, False):
+        got = from_records(rd, copy=copy).arrays
+        for k in ("c", "f"):
+            assert np.array_equal(got[k], a) and got[k].dtype == a.dtype
+        assert got["z"].shape == () and got["z"] == np.float32(2.5) and got["e"].shape == (0, 3)
+    assert not from_records(rd, copy=False).arrays["c"].flags.writeable
+
+
+@pytest.mark.parametrize("value", [2**40, "text", 1.5], ids=["int", "str", "float"])
+def test_update_envelope_fields_of_another_type_are_rejected(value) -> None:
+    """envelope_of called bytes() on the signed-update metadata: an int asked for that many bytes
+    (2**40: 1 TiB), a str raised TypeError. Now both are `malformed` updates."""
+    from federation.protocol.envelope_layout import ARRAY, HEADER, SIGNATURE, envelope_of
+    from federation.protocol.pipeline import Payload, UpdateRejected
+
+    for field in (HEADER, SIGNATURE):
+        meta = {HEADER: b"h", SIGNATURE: b"s", field: value}
+        with pytest.raises(UpdateRejected, match="malformed"):
+            envelope_of(Payload({ARRAY: np.zeros(4, np.uint8)}, meta))
+    with pytest.raises(UpdateRejected, match="malformed"):
+        envelope_of(Payload({ARRAY: np.zeros(4, np.float32)}, {HEADER: b"h", SIGNATURE: b"s"}))
+
+
+@pytest.mark.parametrize("layout", [[["w", "<f4", [2**32, 2**32], 0]], [["w", "<f4", [2**70], 0]],
+                                    [["w", "<f4", [-1, -4], 0]], [["w", ["<f4"], [1], 0]], [["w", "<f4", [1], 2**70]],
+                                    [["w", "f4,(,)", [1], 0]], [["w", "(2,)f4", [1], 0]]],
+                         ids=["wraps-to-0", "beyond-int64", "negative-dims", "dtype-list", "offset-beyond-int64",
+                              "dtype-comma-string", "dtype-subarray"])
+def test_signed_layout_with_hostile_shapes_is_malformed(layout) -> None:
+    """unpack computed sizes with np.prod(int64): (2**32, 2**32) wrapped to 0, 2**70 raised
+    OverflowError, and np.dtype("f4,(,)") raised SyntaxError (numpy parses comma strings with ast;
+    found by the 100k soak); now Python ints, non-negative dims and plain dtype strings, or `malformed`."""
+    import json
+
+    from federation.protocol.envelope_layout import from_inner
+    from federation.protocol.pipeline import UpdateRejected
+
+    with pytest.raises(UpdateRejected, match="malformed"):
+        from_inner(np.zeros(64, np.uint8), json.dumps({"layout": layout, "meta": {}}).encode())
+
+
+def test_signed_layout_nested_too_deep_is_malformed() -> None:
+    """json.loads raised RecursionError on deeply nested signed metadata."""
+    from federation.protocol.envelope_layout import from_inner
+    from federation.protocol.pipeline import UpdateRejected
+
+    with pytest.raises(UpdateRejected, match="malformed"):
+        from_inner(np.zeros(4, np.uint8), b"[" * 100_000 + b"]" * 100_000)
+
+
+def test_secagg_request_and_reply_with_infinite_round_are_malformed() -> None:
+    """int(float('inf')) raised OverflowError out of Request.parse and check_reply."""
+    from flwr.app import ConfigRecord, RecordDict
+
+    from crypto.secagg import MalformedMessageError
+    from federation.protocol import message_keys as keys
+    from federation.protocol.secagg_records import Request, check_reply
+    from fuzzing.protocol_targets import FLOWER_RUN, _message, _secagg_ctx
+
+    rec = ConfigRecord({"stage": keys.UNMASK, "round": float("inf"), "run": f"f/{FLOWER_RUN}", "graph_seed": b"\0" * 32,
+                        "config": "{}", "request": b"", "ctx": b"\0" * 32})
+    msg = _message(RecordDict({keys.SECAGG: rec}), FLOWER_RUN)
+    with pytest.raises(MalformedMessageError):
+        Request.parse(msg)
+    with pytest.raises(MalformedMessageError):
+        check_reply(msg, keys.UNMASK, _secagg_ctx())
+
+
+def test_masked_chunk_claiming_a_huge_size_is_refused_before_allocation() -> None:
+    """parse_chunks checked Flower's dtype/shape fields, then Array.numpy() allocated what the .npy
+    header claimed (caught afterwards); now the header is checked before anything is allocated."""
+    import tracemalloc
+
+    from flwr.app import ArrayRecord, RecordDict
+
+    from crypto.secagg import MalformedMessageError
+    from federation.protocol import message_keys as keys
+    from federation.protocol.secagg_records import chunk_key, parse_chunks
+    from fuzzing.protocol_targets import _message
+
+    rd = RecordDict({keys.SECAGG_CHUNKS: ArrayRecord({chunk_key(0): _npy_array((2**40,), "|u1")})})
+    tracemalloc.start()
+    try:
+        with pytest.raises(MalformedMessageError, match="does not parse"):
+            parse_chunks(_message(rd), 8, 13)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
+
+
+@pytest.mark.parametrize("value", ["many", float("inf"), float("nan"), 2.5, b"9", True, None, [1], -1, 2**60],
+                         ids=["str", "inf", "nan", "fraction", "bytes", "bool", "missing", "list", "negative", "huge"])
+def test_status_num_examples_of_any_type_is_a_counted_rejection(value) -> None:
+    """The coordinator read `int(status["num_examples"])`: a hostile site's string, inf or NaN raised
+    ValueError/OverflowError out of the round (only UpdateRejected is counted). Now `bad_status`."""
+    from federation.protocol.pipeline import UpdateRejected
+    from federation.protocol.status_record import num_examples
+
+    status = {"site": "a"} if value is None else {"site": "a", "num_examples": value}
+    with pytest.raises(UpdateRejected, match="bad_status"):
+        num_examples(status)
+
+
+def test_status_fields_of_valid_replies_read_as_before() -> None:
+    from federation.protocol.status_record import num_examples, site_name
+
+    assert num_examples({"num_examples": 900}) == 900 and num_examples({"num_examples": 900.0}) == 900
+    assert site_name({"site": "paris"}) == "paris"
+    with pytest.raises(ValueError, match="bad_status"):
+        site_name({"site": 7})

@@ -1,7 +1,16 @@
-"""End to end: the coordinator (ServerApp and SuperLink) SIGKILLed during round 2 of 4, then
-resumed with --resume: the final global model (and FedAdam's moments) are bit-identical to an
-uninterrupted run's with the same seed, every round is in metrics.jsonl exactly once, and no
-process is left behind. One uninterrupted run is the reference of both tests."""
+"""End to end: the coordinator (ServerApp and SuperLink) SIGKILLed during round 2 of 4, inside a
+SecAgg+ stage (after every site's masked input arrived, as the unmask stage begins), then resumed
+with --resume: the final global model (and FedAdam's moments) are bit-identical to an uninterrupted
+run's with the same seed, every round is in metrics.jsonl exactly once, no process is left behind,
+and the interrupted SecAgg round is rerun with fresh key material (another SecAgg context, every
+site's setup new). One uninterrupted run is the reference of both tests.
+
+The kill lands in the stage through the ServerApp's test hook (federation/coordinator/stage_hook.py:
+it announces each stage it enters and waits there to be killed). The runs are bit-for-bit
+comparable because digits rounds are deterministic and the codec is int8 on the SecAgg clip, so
+SecAgg's fixed point adds no rounding, the codec's stochastic rounding is seeded (test hook
+SOVFL_TEST_CODEC_SITE_SEED; production draws it from the OS), and error feedback is off (a site's
+residual is not rewound when the round it encoded is rerun)."""
 
 from __future__ import annotations
 
@@ -18,7 +27,7 @@ import pytest
 import yaml
 
 from conftest import ROOT, as_foreground, live_marked, sovfl, sovfl_popen, write_config
-from faults import kill_coordinator
+from faults import kill_coordinator, stage_entries, stage_hook_env, wait_for_stage
 from faults import rounds_done as _rounds
 from federation.coordinator.checkpoint import CheckpointStore, load_checkpoint
 
@@ -26,12 +35,17 @@ pytestmark = pytest.mark.e2e
 
 ROUNDS = 4
 SITES = ("paris", "berlin")
+CLIP = 0.5
+SEEDED = {"SOVFL_TEST_CODEC_SITE_SEED": "7"}  # test hook: reproducible codec rounding (federation/site/codec_mod.py)
+KILL_AT = (2, "secagg stage 4")  # round 2: every masked input is in, the unmask stage begins
 
 
 def _config(directory: Path) -> Path:
     site = {"ranks": 1, "local_steps": 3, "batch_size": 16, "lr": 0.1}
     return write_config(directory / "resume.yaml", {
         "federation": {"name": "resume", "rounds": ROUNDS, "quorum": 2, "evaluate": False, "strategy": "fedadam",
+                       "codec": f"int8:clip={CLIP}", "error_feedback": False,  # a residual is not rewound (README)
+                       "secagg": {"enabled": True, "threshold": 2, "clip": CLIP},
                        "deadlines": {"connect_s": 90, "round_s": 60, "trainer_start_s": 120}},
         "workload": {"task": "digits", "options": {"hidden": 16}},
         "sites": [{"id": name, "partition": i, **site} for i, name in enumerate(SITES)],
@@ -43,24 +57,32 @@ def reference(tmp_path_factory) -> tuple[Path, Path]:
     """(configuration, workdir) of the uninterrupted run."""
     directory = tmp_path_factory.mktemp("reference")
     path = _config(directory)
-    done = sovfl("simulate", str(path), "--workdir", str(directory / "run"), timeout=500)
+    done = sovfl("simulate", str(path), "--workdir", str(directory / "run"), env=SEEDED, timeout=500)
     assert done.returncode == 0, done.stdout + done.stderr
     assert _rounds(directory / "run") == [1, 2, 3, 4]
     return path, directory / "run"
 
 
-def _kill_coordinator_in_round_2(run: Path, marker: str, proc: subprocess.Popen) -> None:
-    """Wait for round 1's metrics line, give round 2's messages a moment to go out, then SIGKILL the
-    SuperLink's process group (SuperLink, SuperExec) and the ServerApp process."""
-    t0 = time.monotonic()
-    while _rounds(run) != [1]:
-        assert proc.poll() is None, proc.stdout.read()
-        assert time.monotonic() - t0 < 400, "round 1 did not finish"
-        time.sleep(0.05)
-    time.sleep(1.5)
+def _kill_coordinator_in_round_2(run: Path, marker: str, proc: subprocess.Popen, hook: Path) -> dict:
+    """Wait for the ServerApp to announce (and pause in) round 2's SecAgg unmask stage, then SIGKILL
+    the SuperLink's process group (SuperLink, SuperExec) and the ServerApp process; the stage's
+    announcement (with the dead round's key material)."""
+    entry = wait_for_stage(hook, *KILL_AT, alive=lambda: proc.poll() is None)
     victims = kill_coordinator(run, marker)
     assert any(b"flwr-serverapp" in cmd for _, cmd in victims), victims
     assert _rounds(run) == [1] and CheckpointStore(run / "checkpoints").rounds() == [1]  # round 2 in flight
+    assert entry["secagg_ctx"] and sorted(entry["setups"]) == sorted(SITES), entry
+    return entry
+
+
+def _assert_fresh_keys(dead: dict, hook: Path) -> None:
+    """The rerun of the interrupted SecAgg round used none of the dead attempt's key material: another
+    SecAgg context (Flower run, graph seed) and a new setup (keys, shares) from every site."""
+    rerun = [e for e in stage_entries(hook) if e["round"] == KILL_AT[0] and e["stage"].startswith(KILL_AT[1])]
+    assert len(rerun) == 1, stage_entries(hook)
+    assert rerun[0]["secagg_ctx"] != dead["secagg_ctx"]
+    assert sorted(rerun[0]["setups"]) == sorted(dead["setups"])
+    assert all(rerun[0]["setups"][s] != dead["setups"][s] for s in dead["setups"]), (dead, rerun[0])
 
 
 def _assert_same_run(reference: Path, run: Path) -> None:
@@ -81,13 +103,14 @@ def _assert_same_run(reference: Path, run: Path) -> None:
     assert losses(run) == losses(reference)
 
 
-def test_simulate_coordinator_killed_in_round_2_resumes_bit_identical(reference, tmp_path, marker):
+def test_simulate_coordinator_killed_in_a_secagg_stage_of_round_2_resumes_bit_identical(reference, tmp_path, marker):
     path, ref = reference
-    env = {"SOVFL_RUN_MARKER": marker}
-    run = tmp_path / "run"
-    proc = sovfl_popen("simulate", str(path), "--workdir", str(run), env=env)
+    env = {"SOVFL_RUN_MARKER": marker, **SEEDED}
+    run, hooks = tmp_path / "run", (tmp_path / "stages-1.jsonl", tmp_path / "stages-2.jsonl")
+    proc = sovfl_popen("simulate", str(path), "--workdir", str(run),
+                       env={**env, **stage_hook_env(hooks[0], "%d:%s" % KILL_AT)})
     try:
-        _kill_coordinator_in_round_2(run, marker, proc)
+        dead = _kill_coordinator_in_round_2(run, marker, proc, hooks[0])
         out, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
@@ -95,11 +118,12 @@ def test_simulate_coordinator_killed_in_round_2_resumes_bit_identical(reference,
     assert proc.returncode == 1 and "superlink exited with code -9" in out, out
     assert live_marked(marker) == []
 
-    resumed = sovfl("simulate", "--resume", str(run), env=env, timeout=500)
+    resumed = sovfl("simulate", "--resume", str(run), env={**env, **stage_hook_env(hooks[1])}, timeout=500)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "resume: continuing from round_0001 (round 1 of 4 done" in resumed.stdout, resumed.stdout
     assert f"RESULT rounds={ROUNDS}" in resumed.stdout
     _assert_same_run(ref, run)
+    _assert_fresh_keys(dead, hooks[1])
     assert live_marked(marker) == []
     # a resume under another configuration is refused before anything starts, naming the field
     changed = yaml.safe_load(path.read_text())
@@ -126,7 +150,8 @@ def test_deployed_coordinator_killed_in_round_2_resumes(reference, tmp_path, mar
     from federation.ops.launcher import free_port
 
     path, ref = reference
-    env = {**os.environ, "SOVFL_RUN_MARKER": marker, "FLWR_TELEMETRY_ENABLED": "0"}
+    env = {**os.environ, "SOVFL_RUN_MARKER": marker, "FLWR_TELEMETRY_ENABLED": "0", **SEEDED}
+    hooks = (tmp_path / "stages-1.jsonl", tmp_path / "stages-2.jsonl")
     pki, port, coord_dir = tmp_path / "pki", free_port(), tmp_path / "coord"
     prov = subprocess.run([sys.executable, "-m", "federation.ops.cli", "provision", str(pki),
                            *[a for s in SITES for a in ("--site", s)]], capture_output=True, text=True, cwd=ROOT,
@@ -146,19 +171,20 @@ def test_deployed_coordinator_killed_in_round_2_resumes(reference, tmp_path, mar
             s.communicate(timeout=60)
             assert s.returncode == 130
 
-    coord = _cli(*coordinator, env=env)
+    coord = _cli(*coordinator, env={**env, **stage_hook_env(hooks[0], "%d:%s" % KILL_AT)})
     sites = start_sites()
     try:
-        _kill_coordinator_in_round_2(coord_dir, marker, coord)
+        dead = _kill_coordinator_in_round_2(coord_dir, marker, coord, hooks[0])
         out, _ = coord.communicate(timeout=120)
         assert coord.returncode == 1 and "superlink exited with code -9" in out, out
         stop(sites)
-        coord = _cli(*coordinator, "--resume", env=env)
+        coord = _cli(*coordinator, "--resume", env={**env, **stage_hook_env(hooks[1])})
         sites = start_sites()
         out, _ = coord.communicate(timeout=500)
         assert coord.returncode == 0, out
         assert "resume: continuing from round_0001 (round 1 of 4 done" in out and f"RESULT rounds={ROUNDS}" in out, out
         _assert_same_run(ref, coord_dir)
+        _assert_fresh_keys(dead, hooks[1])
         assert (coord_dir / "progress.1.log").exists()  # the first attempt's log, kept
         stop(sites)
     finally:

@@ -48,6 +48,7 @@ from federation.coordinator.manifest_check import BaseCheck
 from federation.coordinator.plain_round import PlainRound
 from federation.coordinator.polling import PollSchedule
 from federation.coordinator.resume import checkpoint_round, resume_run
+from federation.coordinator import stage_hook
 from federation.coordinator.strategy import (
     Exchange,
     ExchangeResult,
@@ -63,6 +64,7 @@ from federation.protocol.codecs import Arrays
 from federation.protocol.payload_records import record_bytes
 from federation.protocol.pipeline import RoundContext
 from federation.protocol.round_config import RoundConfig
+from federation.protocol.status_record import StatusError, num_examples, site_name
 from federation.protocol.update_codec import round_seed
 from federation.protocol.wire_dtypes import WireCopy, to_master
 
@@ -285,6 +287,7 @@ class Coordinator:
                 ex = step.configure(state)
                 if ex is None:
                     continue
+                stage_hook.entered(ex.stage, state)  # test hook: inert unless SOVFL_TEST_STAGE_HOOK is set
                 result = self.exchange(ex, partial(step.receive, state) if step.receive else None)
                 traffic.down += result.bytes_down
                 traffic.up += result.bytes_up
@@ -427,7 +430,12 @@ class Coordinator:
             self.riders = []
         known = {s.id for s in self.cfg.sites}
         for reply in res.replies:
-            node, site = reply.message.metadata.src_node_id, str(reply.status["site"])
+            node = reply.message.metadata.src_node_id
+            try:
+                site, examples = site_name(reply.status), num_examples(reply.status)
+            except StatusError as err:
+                self.progress(f"ignoring node {node}: its discovery reply is malformed ({err.detail})")
+                continue
             if site not in known:
                 self.progress(f"ignoring node {node}: site '{site}' is not in the configuration")
                 continue
@@ -436,7 +444,7 @@ class Coordinator:
                 continue
             if not self.base_check.admit(site, reply.status, self.rejections, self.progress):
                 continue
-            self.sites[node] = Site(node, site, int(reply.status["num_examples"]))
+            self.sites[node] = Site(node, site, examples)
             pk = reply.status.get("secagg_channel_pk")
             if isinstance(pk, bytes) and len(pk) == 32:
                 self.channel_keys[site] = pk

@@ -18,6 +18,7 @@ from federation.protocol import message_keys as keys
 from federation.protocol.codecs import UpdateSpec
 from federation.protocol.payload_records import from_records
 from federation.protocol.pipeline import Pipeline, UpdateRejected, check_update
+from federation.protocol.status_record import num_examples
 from federation.protocol.update_codec import CodecStage
 from federation.protocol.wire_dtypes import master_spec, to_master
 
@@ -66,7 +67,7 @@ class PlainRound:
             payload = st.pipeline.decode(payload, st.inp.ctx.for_site(reply.name))
             arrays = to_master(payload.arrays, st.inp.spec)  # bf16 words: exact float32 (accumulated so)
             check_update(arrays, master_spec(st.inp.spec))
-            n = int(reply.status["num_examples"])
+            n = num_examples(reply.status)  # StatusError (an UpdateRejected) if not an int
             if n <= 0:
                 raise UpdateRejected("bad_num_examples", f"num_examples is {n}")
             st.mean.add(arrays, n)

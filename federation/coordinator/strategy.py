@@ -35,6 +35,7 @@ from flwr.app import Message, RecordDict
 from federation.protocol import message_keys as keys
 from federation.protocol.codecs import Arrays
 from federation.protocol.pipeline import RoundContext
+from federation.protocol.status_record import StatusError, num_examples
 from site_trainer.pii.transform import counts_from_metrics
 
 S = TypeVar("S")
@@ -189,7 +190,11 @@ def site_metrics(reply: Reply) -> dict:
     """The per-site part of the round's metrics line, from a train reply."""
     st = reply.status
     m = dict(reply.message.content.metric_records.get(keys.METRICS, {}))
-    out = {"loss": m.get("loss"), "samples": int(st["num_examples"]), "seconds": m.get("train_s"),
+    try:
+        samples: int | None = num_examples(st)
+    except StatusError:  # a figure of the line, not a reason to drop an update the round already took
+        samples = None
+    out = {"loss": m.get("loss"), "samples": samples, "seconds": m.get("train_s"),
            "relay_s": m.get("relay_s"), "rank_digests": list(st.get("rank_digests", []))}
     for key in ("upload_bytes", "dense_bytes", "encode_s", "state_arrays_in", "train_call_s", "evaluate_call_s"):
         if key in m:

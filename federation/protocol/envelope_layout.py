@@ -10,6 +10,8 @@ bytes become an `UpdateRejected`, never objects or reads past the buffer.
 from __future__ import annotations
 
 import json
+import math
+import re
 
 import numpy as np
 
@@ -20,6 +22,12 @@ from federation.protocol.pipeline import Payload, UpdateRejected
 ARRAY = "envelope"  # the payload array holding the envelope body
 HEADER, SIGNATURE = "envelope_header", "envelope_signature"  # payload meta fields
 _ALLOWED_KINDS = set("fiub")  # numeric and bool dtypes only; never objects
+_MAX_DIMS = 32
+_DTYPE = re.compile(r"[<>|=][fiub][1248]")  # a plain numeric dtype's .str
+
+
+def _is_count(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
 def pack(arrays: Arrays) -> tuple[np.ndarray, list]:
@@ -39,11 +47,15 @@ def unpack(buf: np.ndarray, layout: list) -> Arrays:
     out = {}
     try:
         for name, dtype, shape, off in layout:
-            dt = np.dtype(dtype)
-            if dt.kind not in _ALLOWED_KINDS:
-                raise ValueError(f"dtype {dtype} not allowed")
-            n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-            if off < 0 or off + n > len(buf):
+            # only what `pack` writes ('<f4', '|u1', ...): numpy parses other strings with ast (SyntaxError)
+            dt = np.dtype(dtype) if isinstance(dtype, str) and _DTYPE.fullmatch(dtype) else None
+            if dt is None or dt.kind not in _ALLOWED_KINDS or dt.hasobject or dt.subdtype is not None:
+                raise ValueError(f"dtype {str(dtype)[:40]} not allowed")
+            if not (isinstance(shape, list) and len(shape) <= _MAX_DIMS and all(_is_count(d) for d in shape)
+                    and _is_count(off)):
+                raise ValueError(f"{str(name)[:40]} has no valid shape and offset")
+            n = math.prod(shape) * dt.itemsize  # Python ints: a huge shape cannot wrap to a small size
+            if off + n > len(buf):
                 raise ValueError(f"{name} runs past the payload")
             out[str(name)] = buf[off:off + n].view(dt).reshape(shape)
     except (TypeError, ValueError) as err:
@@ -62,7 +74,7 @@ def from_inner(buf: np.ndarray, signed_meta: bytes) -> Payload:
     try:
         doc = json.loads(signed_meta)
         layout, meta = doc["layout"], dict(doc.get("meta", {}))
-    except (ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as err:
+    except (ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError, RecursionError) as err:
         raise UpdateRejected("malformed", f"signed metadata is not the expected JSON: {err}") from None
     return Payload(unpack(buf, layout), meta)
 
@@ -76,6 +88,12 @@ def as_payload(env: Envelope) -> Payload:
 def envelope_of(payload: Payload) -> Envelope:
     """The envelope a wire payload carries; UpdateRejected("unsigned") when it carries none."""
     try:
-        return Envelope(bytes(payload.meta[HEADER]), bytes(payload.meta[SIGNATURE]), payload.arrays[ARRAY])
+        header, signature, body = payload.meta[HEADER], payload.meta[SIGNATURE], payload.arrays[ARRAY]
     except KeyError as err:
         raise UpdateRejected("unsigned", f"update carries no signed envelope (missing {err})") from None
+    if not isinstance(header, bytes) or not isinstance(signature, bytes):  # bytes(2**40) would allocate 1 TiB
+        raise UpdateRejected("malformed", f"envelope header and signature must be bytes, got "
+                             f"{type(header).__name__} and {type(signature).__name__}")
+    if body.dtype != np.uint8 or body.ndim != 1:
+        raise UpdateRejected("malformed", f"envelope body must be 1-D uint8, got {body.dtype} {body.shape}")
+    return Envelope(header, signature, body)

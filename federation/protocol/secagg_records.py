@@ -34,6 +34,7 @@ import crypto.secagg as secagg
 from crypto.secagg import MalformedMessageError, ReplayedMessageError, ring
 from crypto.secagg.signing import Signature
 from federation.protocol import message_keys as keys
+from federation.protocol.payload_records import MalformedRecord, parse_array
 
 OFFSET_DIGITS = 12  # chunk Array keys: the chunk's word offset, zero-padded (at most twice that here)
 
@@ -73,7 +74,7 @@ class Request:
             if not isinstance(seed, bytes) or not isinstance(request, bytes):
                 raise TypeError("graph_seed and request must be bytes")
             ctx = secagg.RoundContext(run, rnd, seed)
-        except (KeyError, TypeError, ValueError) as err:
+        except (KeyError, TypeError, ValueError, OverflowError) as err:  # OverflowError: int(inf)
             raise MalformedMessageError(f"secagg request is malformed ({type(err).__name__}: {err})") from None
         if stage not in keys.STAGE_NAMES or (stage == keys.SETUP) != (key == keys.SECAGG_SETUP):
             raise MalformedMessageError(f"secagg stage {stage} in record '{key}'")
@@ -105,7 +106,7 @@ def check_reply(reply: Message, stage: int, ctx: secagg.RoundContext, key: str =
         if not isinstance(rec["ctx"], bytes):
             raise TypeError("ctx must be bytes")
         got = (int(rec["stage"]), int(rec["round"]), rec["ctx"])
-    except (KeyError, TypeError, ValueError) as err:
+    except (KeyError, TypeError, ValueError, OverflowError) as err:  # OverflowError: int(inf)
         raise MalformedMessageError(f"stage-{stage} reply record is malformed ({type(err).__name__}: {err})") from None
     if got != (stage, ctx.round, ctx.digest()):
         raise ReplayedMessageError(f"reply made for stage {got[0]} of round {got[1]} (or another run), "
@@ -156,9 +157,9 @@ def parse_chunks(reply: Message, length: int, bits: int) -> list[Chunk]:
         if arr.dtype != "uint8" or len(arr.shape) != 1:
             raise MalformedMessageError(f"masked chunk {key} is {arr.dtype} {tuple(arr.shape)}, expected 1-D uint8")
         try:
-            packed = arr.numpy()
-        except Exception as err:  # hostile bytes: whatever numpy raises while parsing them
-            raise MalformedMessageError(f"masked chunk {key} does not parse ({type(err).__name__})") from None
+            packed = parse_array(arr, key)  # checked before the size its header claims is allocated
+        except MalformedRecord as err:
+            raise MalformedMessageError(f"masked chunk {key} does not parse ({err.detail})") from None
         if packed.dtype != np.uint8 or packed.ndim != 1 or packed.shape[0] == 0:
             raise MalformedMessageError(f"masked chunk {key} holds {packed.dtype} {packed.shape}")
         arrays.append((int(key), packed))

@@ -7,6 +7,8 @@ codec spec, its error-feedback flag and the round's seed come from the round con
 
 from __future__ import annotations
 
+import os
+
 from flwr.app import Context, Message, MessageType
 
 from federation.protocol import message_keys as keys
@@ -18,6 +20,9 @@ from federation.site.replies import fail, ok, set_update, update_of
 from federation.site.site_env import site_env
 
 SITE_SEED = "codec-site-seed"  # simulation-only node config: reproducible stochastic rounding
+# TEST HOOK: the same seed from the environment, for tests that run `sovfl simulate` (which sets no
+# node config) and compare runs bit for bit; never set in production (rounding noise from the OS)
+TEST_SITE_SEED = "SOVFL_TEST_CODEC_SITE_SEED"
 
 
 def codec_mod(msg: Message, context: Context, call_next) -> Message:
@@ -34,7 +39,7 @@ def codec_mod(msg: Message, context: Context, call_next) -> Message:
         metrics["state_arrays_in"] = 0.0
         return reply
     residual = env.store.residual.load() if cfg.error_feedback else {}
-    seed = context.node_config.get(SITE_SEED)
+    seed = context.node_config.get(SITE_SEED) or os.environ.get(TEST_SITE_SEED)
     payload, new_state, figures = encode_update(update_of(reply).arrays, residual, cfg, env.round_context(),
                                                 site_seed=None if seed in (None, "") else int(seed))
     if new_state is not None:

@@ -17,7 +17,7 @@ from flwr.app import Context, Message, MessageType, RecordDict
 
 from federation.protocol import message_keys as keys
 from federation.protocol.downlink_steps import DownlinkError, reconstruct
-from federation.protocol.payload_records import from_records
+from federation.protocol.payload_records import MalformedRecord, from_records
 from federation.site.replies import fail, ok
 from federation.site.site_env import site_env
 from federation.site.site_store import ReferenceStore
@@ -32,7 +32,7 @@ def downlink_mod(msg: Message, context: Context, call_next) -> Message:
     env = site_env(context)
     try:
         glob = receive_global(msg.content, env.site, lambda: env.store.reference.dir)
-    except (DownlinkError, TrainerFailed) as err:
+    except (DownlinkError, MalformedRecord, TrainerFailed) as err:  # MalformedRecord: an array that does not parse
         return fail(msg, env.site, f"site {env.site}: {err}")
     env.global_model = glob
     try:

@@ -91,6 +91,7 @@ def _der_with_length(pem: bytes, length: int) -> bytes:
 def claims() -> list[tuple[str, str, Callable[[], Any]]]:
     """(what, decoder name, input maker)."""
     from .fixtures import PKI_BUNDLES, pki_files
+    from .protocol_targets import protocol_claims
 
     u32max = 2**32 - 1
     return [
@@ -135,6 +136,7 @@ def claims() -> list[tuple[str, str, Callable[[], Any]]]:
                                                                             HUGE)),
         ("CA certificate whose DER claims 2**40 bytes", "pki-trust-store",
          lambda: bytes([3 << 1]) + _der_with_length(pki_files()[PKI_BUNDLES[0]]["ca.crt"], HUGE)),
+        *protocol_claims(),
     ]
 
 

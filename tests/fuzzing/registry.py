@@ -15,6 +15,7 @@ from crypto.secagg import SecAggAbort, SecAggError, SecAggMessageError
 
 from . import config_targets as cfg
 from . import crypto_targets as c
+from . import protocol_targets as p
 from .harness import REGISTRY, register
 from .mutate import mutated_json
 
@@ -119,5 +120,42 @@ register("config-yaml", cfg.decode_yaml, cfg.config_error(), seeds=cfg.yaml_seed
          known=cfg.known_failure)
 register("config-document", cfg.decode_doc, cfg.config_error(), seeds=cfg.doc_seeds, strategy=cfg.doc_strategy,
          known=cfg.known_failure, load_seed=cfg.doc_from_corpus, dump_seed=cfg.doc_to_corpus)
+
+# federation/protocol: the records one side of a round reads from the other (protocol_targets.py)
+_REFUSED = (p.FlowerRefused,)  # bytes Flower's own deserializer refuses never reach our code
+
+
+def _protocol_rejects(*types: type[BaseException]) -> tuple[type[BaseException], ...]:
+    return (*types, *_REFUSED)
+
+
+def _register_protocol() -> None:
+    from crypto.secagg import SecAggMessageError
+    from federation.protocol.codecs import CodecError
+    from federation.protocol.downlink_steps import DownlinkError
+    from federation.protocol.pipeline import UpdateRejected
+    from federation.protocol.round_config import RoundConfigError
+
+    records = p.records_strategy
+    register("update-record", p.decode_update_record, _protocol_rejects(UpdateRejected), seeds=p.update_record_seeds,
+             strategy=records)
+    register("codec-payload", p.decode_codec_payload, _protocol_rejects(CodecError, UpdateRejected),
+             seeds=p.codec_payload_seeds, strategy=records)
+    register("codec-spec", p.decode_codec_spec, CodecError, seeds=p.codec_spec_seeds, max_size=256)
+    register("envelope-layout", p.decode_envelope_layout, UpdateRejected, seeds=p.envelope_layout_seeds,
+             strategy=p.envelope_layout_strategy)
+    register("downlink-record", p.decode_downlink_record, _protocol_rejects(DownlinkError, UpdateRejected),
+             seeds=p.downlink_seeds, strategy=records)
+    register("round-config", p.decode_round_config, _protocol_rejects(RoundConfigError), seeds=p.round_config_seeds,
+             strategy=records)
+    register("status-record", p.decode_status_record, _protocol_rejects(UpdateRejected), seeds=p.status_record_seeds,
+             strategy=records)
+    register("secagg-request", p.decode_secagg_request, _protocol_rejects(SecAggMessageError),
+             seeds=p.secagg_request_seeds, strategy=records)
+    register("secagg-reply", p.decode_secagg_reply, _protocol_rejects(SecAggMessageError), seeds=p.secagg_reply_seeds,
+             strategy=records)
+
+
+_register_protocol()
 
 __all__ = ["REGISTRY"]
