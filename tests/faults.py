@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 from federation.ops.launcher import marked_pids
@@ -49,39 +50,35 @@ def kill_coordinator(run: Path, marker: str) -> list[tuple[int, bytes]]:
 
 # ---- site side (issue 13): a site's trainer rank and its SuperNode ---------------------------------
 
-import time  # noqa: E402 - the site-side helpers' own import, kept with them
-
-
 def _args(pid: int) -> list[bytes]:
     return Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+
+
+def _marked_where(marker: str, match) -> list[int]:
+    """Live processes of the run `marker` whose argument list satisfies `match`."""
+    out = []
+    for pid in marked_pids(marker):
+        try:
+            args = _args(pid)
+        except OSError:
+            continue
+        if match(args):
+            out.append(pid)
+    return sorted(out)
 
 
 def site_rank_pids(marker: str, site: str) -> list[int]:
     """The trainer ranks of `site` (the processes torchrun started, not torchrun itself)."""
     suffix = f"sites/{site}/trainer.json".encode()
-    out = []
-    for pid in marked_pids(marker):
-        try:
-            args = _args(pid)
-        except OSError:
-            continue
-        if b"site_trainer" in args and b"torch.distributed.run" not in args and any(a.endswith(suffix) for a in args):
-            out.append(pid)
-    return sorted(out)
+    return _marked_where(marker, lambda args: b"site_trainer" in args and b"torch.distributed.run" not in args
+                         and any(a.endswith(suffix) for a in args))
 
 
 def supernode_pids(marker: str, site: str) -> list[int]:
     """The SuperNode process of `site` (its group also holds its SuperExec and ClientApps)."""
     needle = f'site-id="{site}"'.encode()
-    out = []
-    for pid in marked_pids(marker):
-        try:
-            args = _args(pid)
-        except OSError:
-            continue
-        if any(a.endswith(b"flower-supernode") for a in args[:2]) and any(needle in a for a in args):
-            out.append(pid)
-    return sorted(out)
+    return _marked_where(marker, lambda args: any(a.endswith(b"flower-supernode") for a in args[:2])
+                         and any(needle in a for a in args))
 
 
 def _kill_one(pids: list[int], what: str, rank: int = 0) -> int:
