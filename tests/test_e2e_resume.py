@@ -7,9 +7,10 @@ site's setup new). One uninterrupted run is the reference of both tests.
 
 The kill lands in the stage through the ServerApp's test hook (federation/coordinator/stage_hook.py:
 it announces each stage it enters and waits there to be killed). The runs are bit-for-bit
-comparable because digits rounds are deterministic and the codec is int8 on the SecAgg clip, so
-SecAgg's fixed point adds no rounding, the codec's stochastic rounding is seeded (test hook
-SOVFL_TEST_CODEC_SITE_SEED; production draws it from the OS), and error feedback is off (a site's
+comparable because digits rounds are deterministic, the stochastic rounding of the codec and of
+SecAgg's fixed point is seeded by site and round (test hook SOVFL_TEST_CODEC_SITE_SEED; production
+draws it from the OS; the int8 grid on the SecAgg clip is not exact in float: unseeded, a rerun
+round's fixed-point rounding flipped a word once in CI), and error feedback is off (a site's
 residual is not rewound when the round it encoded is rerun)."""
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ pytestmark = pytest.mark.e2e
 ROUNDS = 4
 SITES = ("paris", "berlin")
 CLIP = 0.5
-SEEDED = {"SOVFL_TEST_CODEC_SITE_SEED": "7"}  # test hook: reproducible codec rounding (federation/site/codec_mod.py)
+SEEDED = {"SOVFL_TEST_CODEC_SITE_SEED": "7"}  # test hook: reproducible rounding (federation/site/codec_mod.py)
 KILL_AT = (2, "secagg stage 4")  # round 2: every masked input is in, the unmask stage begins
 
 

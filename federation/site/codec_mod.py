@@ -25,6 +25,13 @@ SITE_SEED = "codec-site-seed"  # simulation-only node config: reproducible stoch
 TEST_SITE_SEED = "SOVFL_TEST_CODEC_SITE_SEED"
 
 
+def rounding_seed(context: Context) -> int | None:
+    """The site's seed for stochastic rounding (the codec's and SecAgg's fixed point), or None:
+    fresh noise from the OS, as in production."""
+    seed = context.node_config.get(SITE_SEED) or os.environ.get(TEST_SITE_SEED)
+    return None if seed in (None, "") else int(seed)
+
+
 def codec_mod(msg: Message, context: Context, call_next) -> Message:
     """Encode the update of a good train reply; keep the new residual for the next round."""
     if msg.metadata.message_type != MessageType.TRAIN:
@@ -39,9 +46,8 @@ def codec_mod(msg: Message, context: Context, call_next) -> Message:
         metrics["state_arrays_in"] = 0.0
         return reply
     residual = env.store.residual.load() if cfg.error_feedback else {}
-    seed = context.node_config.get(SITE_SEED) or os.environ.get(TEST_SITE_SEED)
     payload, new_state, figures = encode_update(update_of(reply).arrays, residual, cfg, env.round_context(),
-                                                site_seed=None if seed in (None, "") else int(seed))
+                                                site_seed=rounding_seed(context))
     if new_state is not None:
         try:
             env.store.residual.save(new_state, cfg.round)

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import logging
 import os
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -76,6 +77,7 @@ from federation.protocol.payload_records import to_array
 from federation.protocol.pipeline import Payload
 from federation.protocol.secagg_records import Request, chunk_key, reply_record
 from federation.protocol.update_codec import codec_meta
+from federation.site.codec_mod import rounding_seed
 from federation.site.replies import fail, ok, update_of
 from federation.site.site_env import SiteEnv, load_bundle, site_env
 
@@ -355,7 +357,10 @@ def on_train(msg: Message, context: Context, site: str, payload: Payload, num_ex
         # everything below commits this round's masks: the state is saved as MASKED even if it fails
         chunks, manifest = {}, ChunkManifest()
         try:
-            gen = client.masked_input(req.request, x, weight, rng=_dump_rng(context, x, weight, req, client.id))
+            rng = _dump_rng(context, x, weight, req, client.id)
+            if rng is None and (seed := rounding_seed(context)) is not None:  # reproducible runs (codec_mod.py)
+                rng = np.random.default_rng([seed, req.ctx.round, zlib.crc32(site.encode())])
+            gen = client.masked_input(req.request, x, weight, rng=rng)
             bits = client.params.codec.bits
             for offset, words in gen:
                 packed = ring.pack_words(words, bits)  # a fresh array: words is reused
