@@ -84,7 +84,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
             launcher.register_supernodes(sup, keys)
         print(f"SuperLink on {args.host}:{args.port}; waiting for {len(cfg.sites)} site(s)")
         run = launcher.submit_run(sup, Path(args.config), f"127.0.0.1:{args.port}", bundle, resume=args.resume)
-        result = launcher.watch_run(sup, [link, run], {}, launcher.run_deadline(cfg), print)
+        result = launcher.watch_run(sup, [link, run], launcher.run_deadline(cfg), print)
     finally:
         sup.close()
     print(launcher.result_line(result))

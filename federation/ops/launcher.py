@@ -315,12 +315,12 @@ def submit_run(sup: Supervisor, config_path: Path, address: str, bundle: Path | 
     return sup.start("flwr-run", [_bin("flwr"), "run", str(APP_DIR), "sovfl", "--run-config", run_config, "--stream"])
 
 
-def watch_run(sup: Supervisor, must_live: list[Proc], sites: dict[str, Proc], deadline_s: float,
-              progress: Callable[[str], None], tick: Callable[[], None] | None = None) -> dict:
+def watch_run(sup: Supervisor, must_live: list[Proc], deadline_s: float, progress: Callable[[str], None],
+              tick: Callable[[], None] | None = None) -> dict:
     """Relay progress lines until result.json appears; fail fast if the coordinator side dies.
-    `tick` runs on every turn (the site supervisor's restarts)."""
+    `tick` runs on every turn (the site supervisor: it restarts and reports dead site processes)."""
     result_path, progress_path = sup.workdir / "result.json", sup.workdir / "progress.log"
-    seen, reported_dead = 0, set()
+    seen = 0
     end = time.monotonic() + deadline_s
     run_proc = next((p for p in must_live if p.name == "flwr-run"), None)
     run_exited_at: float | None = None
@@ -335,11 +335,6 @@ def watch_run(sup: Supervisor, must_live: list[Proc], sites: dict[str, Proc], de
             return json.loads(result_path.read_text())
         if tick is not None:
             tick()
-        for name, proc in sites.items():
-            if not proc.alive() and name not in reported_dead:
-                reported_dead.add(name)
-                progress(f"site {name}: process {proc.name} exited with code {proc.popen.returncode}; "
-                         f"the federation goes on without it (log: {proc.log})")
         for proc in must_live:
             if proc is run_proc:
                 if not proc.alive() and run_exited_at is None:
@@ -423,7 +418,7 @@ def simulate(config_path: str | Path, workdir: str | Path | None = None,
             guard.watch_supernode(s.id, partial(
                 start_supernode, sup, s, dial, sockets[s.id], pki / "sites" / s.id, insecure,
                 {**site_att[s.id], **(node_config or {}).get(s.id, {})}), dial, None if insecure else pki / "sites" / s.id)
-        result = watch_run(sup, [superlink, run], {}, run_deadline(cfg), progress, tick=guard.tick)
+        result = watch_run(sup, [superlink, run], run_deadline(cfg), progress, tick=guard.tick)
     finally:
         sup.close()
         shutil.rmtree(sockdir, ignore_errors=True)
