@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from concurrent import futures
 from typing import Any, Callable
 
@@ -62,6 +63,24 @@ def serve(socket_path: str, handler: Callable[[str, dict], dict], workers: int =
     return server
 
 
+def _diagnose(socket_path: str) -> str:
+    """Why a call could not be made, in the operator's terms: gRPC says UNAVAILABLE both when no
+    trainer listens and when a stopped or wedged one accepts the connection but never completes
+    the handshake (after its 20 s connect timeout); a plain connect tells the two apart."""
+    if not os.path.exists(socket_path):
+        return "no socket there: is the site trainer service running?"
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(socket_path)
+    except OSError as err:
+        return f"nothing accepts connections there ({err.strerror or err}): the trainer exited; is it being restarted?"
+    finally:
+        probe.close()
+    return ("the trainer accepted the connection but did not answer (stopped, hung or overloaded); "
+            "check the site's trainer log")
+
+
 def call(socket_path: str, method: str, request: dict, timeout_s: float) -> dict:
     """One request to the trainer; raises TrainerUnavailable / TrainerError with the site's words."""
     if method not in METHODS:
@@ -75,8 +94,8 @@ def call(socket_path: str, method: str, request: dict, timeout_s: float) -> dict
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise TrainerUnavailable(f"trainer at {socket_path} did not answer {method} within {timeout_s:.0f}s") from None
             raise TrainerUnavailable(
-                f"trainer at {socket_path} unreachable for {method} ({code.name if code else err}); "
-                "is the site trainer service running?"
+                f"trainer at {socket_path} unreachable for {method} ({code.name if code else err}): "
+                f"{_diagnose(socket_path)}"
             ) from None
     if not reply.get("ok", False):
         raise TrainerError(reply.get("error", "trainer reported an unspecified error"))

@@ -10,6 +10,7 @@ checked; a site can stay silent or have its replies tampered with, part by part.
 from __future__ import annotations
 
 import hashlib
+import time
 import uuid
 from pathlib import Path
 
@@ -462,3 +463,44 @@ def test_parse_chunks_refuses_partial_or_overlapping_uploads():
     rd = RecordDict({CHUNKS: ArrayRecord({f"{0:012d}": Array(padded)})})
     with pytest.raises(Exception, match="padding"):
         parse_chunks(Message(rd, dst_node_id=1, message_type="train"), 3, 13)
+
+
+class SlowQueryGrid(FakeGrid):
+    """Replies to setup-only queries (a site's setup asked on the side) become pullable only
+    `delay_s` after their push: a live site whose ClientApp is slower than the stage that carried
+    the query."""
+
+    def __init__(self, sites: list[FakeSite], delay_s: float):
+        super().__init__(sites)
+        self.delay_s, self.held = delay_s, {}
+
+    def push_messages(self, msgs):
+        msgs = list(msgs)
+        ids = super().push_messages(msgs)
+        for m, mid in zip(msgs, ids):
+            recs = m.content.config_records
+            if SETUP_RECORD in recs and RECORD not in recs and mid in self.replies:
+                self.held[mid] = (time.monotonic() + self.delay_s, self.replies.pop(mid))
+        return ids
+
+    def pull_messages(self, ids):
+        now = time.monotonic()
+        for mid in [i for i in ids if i in self.held and self.held[i][0] <= now]:
+            self.replies[mid] = self.held.pop(mid)[1]
+        return super().pull_messages(ids)
+
+
+def test_a_slow_setup_query_sent_in_the_last_round_is_awaited_until_its_deadline(tmp_path):
+    """b's train message fails after its setup in round 1: its round-2 setup is asked in a query
+    riding on round 1's unmask stage. Round 1 ends before that query's (slow) answer; round 2
+    waits for it within the query's own deadline, so b is in round 2's sum instead of sitting out."""
+    faults = {"b": "round=1,after=setup"}
+    coord, grid = make(tmp_path, n=4, node_config={s: {"secagg-fault": f} for s, f in faults.items()})
+    slow = SlowQueryGrid(list(grid.sites.values()), delay_s=0.4)
+    coord.grid = slow
+    r1 = coord.train_round(1)
+    assert r1["status"] == "aggregated" and "b" in r1["secagg"]["dropped"]
+    assert slow.held, "b's setup query for round 2 should still be unanswered when round 1 ends"
+    r2 = coord.train_round(2)
+    assert not slow.held
+    assert r2["status"] == "aggregated" and r2["secagg"]["contributors"] == list("abcd"), r2["failed"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
@@ -117,10 +118,26 @@ def test_handoff_rejects_short_file(tmp_path):
 
 
 def test_endpoint_unavailable_and_long_socket(tmp_path):
-    with pytest.raises(endpoint.TrainerUnavailable, match="unreachable"):
+    with pytest.raises(endpoint.TrainerUnavailable, match="unreachable.*no socket there"):
         endpoint.call(str(tmp_path / "none.sock"), "Info", {}, timeout_s=2)
     with pytest.raises(ValueError, match="Unix socket limit"):
         endpoint.check_socket_path("/tmp/" + "x" * 200)
+
+
+def test_endpoint_tells_an_exited_trainer_from_a_stopped_one(tmp_path):
+    """A socket file nobody listens on (the trainer died) and one whose listener never answers
+    (SIGSTOPped: the kernel still queues connections) fail differently and say so."""
+    dead, stopped = str(tmp_path / "dead.sock"), str(tmp_path / "stopped.sock")
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(dead)  # bound, never listening: what a killed trainer leaves behind
+    with pytest.raises(endpoint.TrainerUnavailable, match="nothing accepts connections there"):
+        endpoint.call(dead, "Info", {}, timeout_s=2)
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(stopped)
+        s.listen(8)  # connections queue, nothing reads them
+        assert "accepted the connection but did not answer" in endpoint._diagnose(stopped)
+        with pytest.raises(endpoint.TrainerUnavailable, match="did not answer Info within 1s"):
+            endpoint.call(stopped, "Info", {}, timeout_s=1)
 
 
 def test_endpoint_roundtrip_and_errors(tmp_path):

@@ -134,7 +134,8 @@ class Coordinator:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.workdir / "metrics.jsonl"
         self.riders: list[Rider] = []  # riding on every message sent now
-        self._side: dict[str, tuple[int, list[Rider]]] = {}  # rider-only messages in flight: id -> (node, riders)
+        # rider-only messages in flight: id -> (node, riders, the monotonic time its deadline passes)
+        self._side: dict[str, tuple[int, list[Rider], float]] = {}
         self.messages: Counter[int] = Counter()  # messages sent per node over the run (round trips)
         self.checkpoints = CheckpointStore(self.workdir / "checkpoints", self.fed.checkpoint_keep, self.progress)
         self.history: list[dict] = []  # the metrics lines of the rounds done (restored by a resume)
@@ -207,7 +208,7 @@ class Coordinator:
             elif i < n_main:
                 pending[mid] = (node, seen)
             else:
-                self._side[mid] = (node, seen)
+                self._side[mid] = (node, seen, t0 + ex.deadline_s)
         del built
         result.push_s = time.monotonic() - t0
         end = time.monotonic() + ex.deadline_s
@@ -250,7 +251,7 @@ class Coordinator:
             entry = self._side.pop(reply.metadata.reply_to_message_id, None)
             if entry is not None:
                 got = True
-                node, riders = entry
+                node, riders, _ = entry
                 for rider in riders:
                     rider.take(node, reply)
         return got
@@ -259,10 +260,27 @@ class Coordinator:
         """End the riders of the last round: take what arrived of their own messages, give up on the
         rest (a round never waits for a site it does not address)."""
         self._pull_side()
-        for node, riders in self._side.values():
+        for node, riders, _ in self._side.values():
             for rider in riders:
                 rider.take(node, None)
         self._side.clear()
+
+    def settle(self, nodes: list[int]) -> None:
+        """Before a round: wait for what the last round asked `nodes` on the side (a site that missed
+        a stage was sent a query for this round's setup) until each answers or its own deadline
+        passes, then `drain`. Giving up sooner would make a slow but live site sit this round out
+        only because the last round's final stage was quicker than its ClientApp; a dead site costs
+        at most what is left of its query's deadline."""
+        mine = set(nodes)
+        poll = PollSchedule()
+        while True:
+            ends = [end for node, _, end in self._side.values() if node in mine]
+            left = max(ends) - time.monotonic() if ends else 0.0
+            if left <= 0:
+                break
+            if not self._pull_side():
+                time.sleep(max(0.0, min(poll.next_wait(), left)))
+        self.drain()
 
     def _check_reply(self, result: ExchangeResult, name: str, node: int, reply: Message) -> Reply | None:
         """A good reply, or None with the site's failure recorded in `result`."""
@@ -479,9 +497,9 @@ class Coordinator:
         """Sample, admit, run the round strategy (with what rides on it), apply the mean update and
         checkpoint; the round's metrics line (without downlink figures)."""
         t0 = time.monotonic()
-        self.drain()
         names = self.sample(rnd)
         nodes = [n for n in (self.node_of(name) for name in names) if n is not None]
+        self.settle(nodes)
         absent = {name: "not connected: no node answered discovery as this site" for name in names
                   if self.node_of(name) is None}
         timing: dict = {"stages": []}
