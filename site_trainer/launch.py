@@ -1,6 +1,9 @@
-"""How a site's trainer pool is started: the torchrun command line for one node of a site.
+"""How a site's trainer pool is started: the command line for one node of a site.
 
-Single-node sites use `--standalone`. Multi-node sites start one torchrun per node, joined by
+A one-rank, one-node site runs its rank directly (`python -m site_trainer`): torchrun's agent
+would only watch one process (it restarts nothing: the site supervisor does), and it costs a
+torch import, ~1.5 s of CPU, per start; the rank forms its one-process group itself
+(service.standalone_env). Other single-node sites use torchrun `--standalone`. Multi-node sites start one torchrun per node, joined by
 torchrun's c10d rendezvous at `rdzv_endpoint` (node 0's host:port, where node 0's torchrun hosts
 the store); the node's rank goes to the trainer (`--node-rank`), which numbers global ranks by
 node, since c10d ignores torchrun's own `--node-rank`. Nodes other than 0 are started with
@@ -23,6 +26,16 @@ from site_trainer.config import SiteConfig, TrainerConfig
 
 class RendezvousUnreachable(RuntimeError):
     """Node 0's rendezvous endpoint did not accept a connection before the deadline."""
+
+
+def trainer_argv(site: SiteConfig, config_path: str, node_rank: int = 0, rdzv_id: str | None = None,
+                 join_timeout_s: float | None = None) -> list[str]:
+    """The command for this site's ranks on one node: the rank itself for a one-rank, one-node
+    site, else `torchrun_argv`."""
+    if site.nnodes == 1 and site.ranks == 1:
+        check_node_rank(site, node_rank)
+        return [sys.executable, "-m", "site_trainer", "--config", config_path]
+    return torchrun_argv(site, config_path, node_rank, rdzv_id, join_timeout_s)
 
 
 def torchrun_argv(site: SiteConfig, config_path: str, node_rank: int = 0, rdzv_id: str | None = None,
@@ -86,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     cfg = TrainerConfig.model_validate_json(Path(args.config).read_text())
     try:
-        cmd = torchrun_argv(cfg.site, str(Path(args.config).resolve()), node_rank=args.node_rank,
+        cmd = trainer_argv(cfg.site, str(Path(args.config).resolve()), node_rank=args.node_rank,
                             join_timeout_s=args.rdzv_timeout)
         if args.print:
             print(" ".join(cmd))

@@ -1,4 +1,5 @@
-"""`python -m site_trainer --config trainer.json`: one rank of a site's trainer, under torchrun.
+"""`python -m site_trainer --config trainer.json`: one rank of a site's trainer, under torchrun
+(or alone: a one-rank site needs no torchrun, see `standalone_env`).
 
 A declarative task runs in the built-in loop (`local_trainer.LocalTrainer.serve`); a script
 workload (`workload.script`) runs as this process's `__main__`, with $SOVFL_TRAINER_CONFIG pointing
@@ -67,6 +68,16 @@ def run_script(cfg: TrainerConfig, config_path: str, node_rank: int = 0) -> None
                 dist.destroy_process_group()
 
 
+def standalone_env(cfg: TrainerConfig) -> None:
+    """A one-rank site started without torchrun (launch.trainer_argv) forms its one-process group
+    itself: torchrun's variables where absent, the store on a port the kernel picks (no other
+    rank needs to find it), so that a script's own `dist.init_process_group()` works too."""
+    if "RANK" in os.environ or cfg.site.world_size != 1:
+        return
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", GROUP_RANK="0",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m site_trainer", description=__doc__)
     parser.add_argument("--config", required=True, help="TrainerConfig JSON written by `sovfl site`/`sovfl simulate`")
@@ -74,6 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     cfg = TrainerConfig.model_validate_json(Path(args.config).read_text())
     torch.set_num_threads(int(os.environ.get("SOVFL_TORCH_THREADS", "1")))
+    standalone_env(cfg)
     if cfg.workload.script is not None:
         run_script(cfg, args.config, args.node_rank)
     else:

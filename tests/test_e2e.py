@@ -64,7 +64,8 @@ def _wait_line(path: Path, n: int, proc: subprocess.Popen, timeout: float) -> li
 
 
 def _signal_trainer(run: Path, site: str, sig: int) -> None:
-    """Signal every process of a site's trainer pool (torchrun puts its ranks in their own sessions)."""
+    """Signal every process of a site's trainer pool (torchrun puts its ranks in their own sessions;
+    a one-rank site is its one rank)."""
     needle = str(run / "sites" / site / "trainer.json").encode()
     hit = 0
     for entry in Path("/proc").iterdir():
@@ -75,7 +76,7 @@ def _signal_trainer(run: Path, site: str, sig: int) -> None:
                     hit += 1
             except (OSError, ProcessLookupError):
                 pass
-    assert hit >= 2, f"found {hit} trainer process(es) for site {site}"
+    assert hit >= 1, f"found no trainer process for site {site}"
 
 
 def test_crash_hang_and_hostile_site(tmp_path, marker):
@@ -135,7 +136,7 @@ def test_ctrl_c_tears_everything_down(tmp_path, marker):
     proc = sovfl_popen("simulate", str(path), "--workdir", str(run), env={"SOVFL_RUN_MARKER": marker})
     try:
         _wait_line(run / "metrics.jsonl", 1, proc, 300)
-        assert len(live_marked(marker)) >= 6  # superlink, 2 supernodes, 2 torchruns, 3 ranks, ...
+        assert len(live_marked(marker)) >= 6  # superlink, 2 supernodes, a's torchrun, 3 ranks, ...
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=90)
     finally:

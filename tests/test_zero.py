@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from conftest import ROOT
 from site_trainer import strategies
 from site_trainer.config import SiteConfig, WorkloadConfig
-from site_trainer.launch import torchrun_argv
+from site_trainer.launch import torchrun_argv, trainer_argv
 from site_trainer.workloads import initial_weights
 
 SLM = WorkloadConfig(task="slm", options={"n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 16,
@@ -149,6 +149,12 @@ def test_site_config_defaults_and_multi_node_fields():
     assert (s.parallelism, s.mixed_precision, s.activation_checkpointing, s.checkpoint_every, s.nnodes) == \
         ("ddp", "fp32", False, 0, 1)
     assert torchrun_argv(s, "t.json")[2:5] == ["torch.distributed.run", "--standalone", "--nproc-per-node=1"]
+    # a one-rank, one-node site runs its rank without torchrun's agent; more ranks or nodes use torchrun
+    assert trainer_argv(s, "t.json")[1:] == ["-m", "site_trainer", "--config", "t.json"]
+    two = SiteConfig(id="a", partition=0, ranks=2)
+    assert trainer_argv(two, "t.json") == torchrun_argv(two, "t.json")
+    with pytest.raises(ValueError, match="single-node site"):
+        trainer_argv(s, "t.json", node_rank=1)
     with pytest.raises(ValidationError, match="rdzv_endpoint"):
         SiteConfig(id="a", partition=0, nnodes=2)
     with pytest.raises(ValidationError, match="parallelism"):
@@ -160,6 +166,8 @@ def test_site_config_defaults_and_multi_node_fields():
     assert "--rdzv-conf=join_timeout=30" in torchrun_argv(m, "t.json", node_rank=1, join_timeout_s=30)
     with pytest.raises(ValueError, match="node_rank 2"):
         torchrun_argv(m, "t.json", node_rank=2)
+    one_per_node = SiteConfig(id="a", partition=0, ranks=1, nnodes=2, rdzv_endpoint="10.0.0.1:29400")
+    assert trainer_argv(one_per_node, "t.json", node_rank=1) == torchrun_argv(one_per_node, "t.json", node_rank=1)
 
 
 def test_adamw_state_made_up_front_is_the_state_its_first_step_makes():

@@ -31,7 +31,7 @@ from federation.ops.bytecode import ensure_compiled
 from federation.ops.run_dir import prepare_workdir
 from site_trainer import endpoint
 from site_trainer.config import SiteConfig, TrainerConfig
-from site_trainer.launch import torchrun_argv
+from site_trainer.launch import trainer_argv
 
 APP_DIR = Path(__file__).parent / "flwr_app"
 MARKER = "SOVFL_RUN_MARKER"  # set by a caller (test, batch system) to find every descendant
@@ -216,7 +216,8 @@ def wait_port(proc: Proc, port: int, deadline_s: float = 60.0) -> None:
 
 def start_trainer(sup: Supervisor, site: SiteConfig, cfg: ExperimentConfig, socket_path: str, node_rank: int = 0,
                   join_timeout_s: float | None = None) -> Proc:
-    """This node's torchrun of the site's trainer pool (node 0 serves `socket_path`)."""
+    """This node's part of the site's trainer pool: its torchrun, or the one rank of a one-rank
+    site (launch.trainer_argv); node 0 serves `socket_path`."""
     tcfg = TrainerConfig(site=site, workload=cfg.workload, num_partitions=len(cfg.sites),
                          seed=cfg.federation.seed, rounds=cfg.federation.rounds, socket=socket_path,
                          workdir=str(sup.workdir / "sites" / site.id))
@@ -224,7 +225,7 @@ def start_trainer(sup: Supervisor, site: SiteConfig, cfg: ExperimentConfig, sock
     node = f"-node{node_rank}" if node_rank else ""  # nodes may share the workdir: one file each
     cfg_path = Path(tcfg.workdir) / f"trainer{node}.json"
     cfg_path.write_text(tcfg.model_dump_json(indent=2))
-    return sup.start(f"site-{site.id}{node}-trainer", torchrun_argv(site, str(cfg_path), node_rank, None, join_timeout_s),
+    return sup.start(f"site-{site.id}{node}-trainer", trainer_argv(site, str(cfg_path), node_rank, None, join_timeout_s),
                      {"OMP_NUM_THREADS": "1"})
 
 

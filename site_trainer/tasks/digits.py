@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -12,6 +14,30 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from site_trainer.tasks.splits import dirichlet_split
 from site_trainer.workload import Task, TaskData, TensorRows
+
+
+def bundled_digits_csv() -> Path | None:
+    """sklearn's own copy of the images (`sklearn/datasets/data/digits.csv.gz`: 64 pixel columns,
+    then the label), located without importing sklearn; None where that file is not there."""
+    spec = importlib.util.find_spec("sklearn")  # a top-level package: found, not imported
+    for root in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = Path(root) / "datasets" / "data" / "digits.csv.gz"
+        if path.is_file():
+            return path
+    return None
+
+
+def load_digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """(images as 1797 x 64 float pixels 0..16, labels): what `sklearn.datasets.load_digits(return_X_y=True)`
+    returns, read with numpy from the file that function reads. Importing sklearn (with scipy) costs
+    about a second of CPU in every trainer rank, more than the rest of this task's start."""
+    path = bundled_digits_csv()
+    if path is None:  # another sklearn layout: its own loader
+        from sklearn.datasets import load_digits
+
+        return load_digits(return_X_y=True)
+    data = np.loadtxt(path, delimiter=",")
+    return data[:, :-1], data[:, -1].astype(int)
 
 
 class DigitsOptions(BaseModel):
@@ -33,10 +59,8 @@ class Digits(Task):
         return nn.Sequential(nn.Linear(64, h), nn.ReLU(), nn.Linear(h, 10))
 
     def build_data(self) -> TaskData:
-        from sklearn.datasets import load_digits  # here, not at import: sklearn costs seconds per rank
-
         o, ctx = self.options, self.ctx
-        x, y = load_digits(return_X_y=True)
+        x, y = load_digits_arrays()
         x = (x / 16.0).astype(np.float32)
         order = np.random.default_rng(ctx.seed).permutation(len(y))
         if o.partition == "dirichlet":
