@@ -26,7 +26,7 @@ demo-hf: $(STAMP)
 TEST_WORKERS ?= 3
 test: $(STAMP)
 	$(PY) -c 'from federation.ops.bytecode import ensure_compiled; ensure_compiled()'  # for processes tests start themselves
-	FLWR_TELEMETRY_ENABLED=0 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
+	FLWR_TELEMETRY_ENABLED=0 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests
 
 # Long runs. Fuzzing: 100,000 generated inputs per decoder of another party's bytes
 # (tests/fuzzing/README.md); FUZZ_ARGS passes options, e.g. FUZZ_ARGS="--inputs 1000 envelope-blob".

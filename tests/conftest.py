@@ -20,6 +20,11 @@ def write_config(path: Path, data: dict) -> Path:
     return path
 
 
+def digits_site(i: int, name: str, ranks: int, **kw) -> dict:
+    """A site entry of a digits federation (partition i), for e2e configurations."""
+    return {"id": name, "ranks": ranks, "partition": i, "local_steps": 5, "batch_size": 16, "lr": 0.1, **kw}
+
+
 def _env(env: dict | None) -> dict:
     return {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", **(env or {})}
 
@@ -43,10 +48,21 @@ def sovfl_popen(*args: str, env: dict | None = None) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True, env=_env(env), cwd=ROOT, preexec_fn=as_foreground)
 
 
+def _seconds(item: pytest.Item) -> float:
+    mark = item.get_closest_marker("slow")
+    return float(mark.kwargs.get("seconds", 0)) if mark else 0.0
+
+
 def pytest_collection_modifyitems(session, config, items):  # noqa: ARG001 - pytest's hook signature
-    """Multi-process end-to-end tests first (stable otherwise): they are the long poles, and under
-    `pytest -n N` (make test) the short unit tests then fill the workers' gaps at the end."""
-    items.sort(key=lambda item: item.get_closest_marker("e2e") is None)
+    """The longest files first (`pytest.mark.slow(seconds=...)`: about what a file takes under
+    `make test`), then the other end-to-end files, then the rest in collection order.
+
+    `make test` runs whole files per worker in this order (`--dist loadfile --no-loadscope-reorder`),
+    so the long poles, e2e federations that mostly wait on their processes, start at once and the
+    CPU-bound unit files fill the cores around them. xdist's default order (files with the most
+    tests first) started the e2e files, one to three tests each, last, when nothing was left to
+    overlap them with."""
+    items.sort(key=lambda item: (-_seconds(item), item.get_closest_marker("e2e") is None))
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -155,3 +156,16 @@ def wait_for_stage(hook_file: Path, rnd: int, stage: str, alive, timeout_s: floa
         if time.monotonic() - t0 > timeout_s:
             raise AssertionError(f"round {rnd} did not enter {stage!r} within {timeout_s:.0f}s")
         time.sleep(0.05)
+
+
+def wait_metrics_line(path: Path, n: int, proc: subprocess.Popen, timeout: float) -> list[dict]:
+    """The run's metrics lines once there are at least `n`; fails if `proc` exits first or at the timeout."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if path.exists():
+            lines = path.read_text().splitlines()
+            if len(lines) >= n:
+                return [json.loads(x) for x in lines]
+        assert proc.poll() is None, "sovfl exited early"
+        time.sleep(0.1)
+    raise AssertionError(f"no metrics line {n} within {timeout}s")

@@ -18,6 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._fedsim import run_fedavg  # noqa: E402
 
+pytestmark = pytest.mark.slow(seconds=120)
+
 COMPRESSED = [
     # (uplink codec, options)
     ("int8", {}),

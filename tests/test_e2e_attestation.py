@@ -22,7 +22,7 @@ from federation.ops import launcher
 from federation.coordinator.checkpoint import load_checkpoint
 from wiretap import WireTap, found, windows
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow(seconds=80)]
 
 BAD = "bb" * 48
 

@@ -20,7 +20,7 @@ from pii_corpus import SEEDED_PII, leak_forms, write_seeded_site
 from site_trainer.pii import PATTERN_ENTITIES
 from wiretap import WireTap
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow(seconds=70)]
 
 SEEDED = sorted({form for site in SEEDED_PII.values() for vs in site.values() for v in vs for form in leak_forms(v)})
 

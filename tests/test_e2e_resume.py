@@ -32,7 +32,7 @@ from faults import kill_coordinator, stage_entries, stage_hook_env, wait_for_sta
 from faults import rounds_done as _rounds
 from federation.coordinator.checkpoint import CheckpointStore, load_checkpoint
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow(seconds=310)]
 
 ROUNDS = 4
 SITES = ("paris", "berlin")

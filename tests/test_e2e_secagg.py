@@ -37,7 +37,7 @@ from federation.coordinator.checkpoint import load_checkpoint, read_checkpoint
 from federation.config.schema import load_config
 from wiretap import WireTap, found, windows
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow(seconds=80)]
 
 SITES = ["a", "b", "c", "d"]
 FAULTS = {

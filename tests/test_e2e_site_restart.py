@@ -19,7 +19,7 @@ from conftest import ROOT, as_foreground, sovfl_popen, write_config
 from faults import (kill_coordinator, kill_site_rank, kill_supernode, site_rank_pids, supernode_pids, wait_gone,
                     wait_rounds)
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow(seconds=160)]
 
 ROUNDS = 7  # room for a restarted trainer (torch import, checkpoint load) to come back on a loaded machine
 

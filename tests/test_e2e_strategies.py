@@ -7,7 +7,7 @@ import pytest
 
 from conftest import assert_weighted_mean_rounds, live_marked, sovfl, write_config
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow(seconds=90)]
 
 STRATEGIES = {"paris": "ddp", "frankfurt": "zero2", "milan": "zero3"}
 

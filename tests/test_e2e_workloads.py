@@ -13,7 +13,7 @@ import pytest
 
 from conftest import ROOT, assert_weighted_mean_rounds, live_marked, sovfl, write_config
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow(seconds=275)]
 
 TESTS = str(ROOT / "tests")
 FED = {"rounds": 2, "quorum": 2, "update_kind": "weights",
