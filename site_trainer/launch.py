@@ -3,10 +3,12 @@
 A one-rank, one-node site runs its rank directly (`python -m site_trainer`): torchrun's agent
 would only watch one process (it restarts nothing: the site supervisor does), and it costs a
 torch import, ~1.5 s of CPU, per start; the rank forms its one-process group itself
-(service.standalone_env). Other single-node sites use torchrun `--standalone`. Multi-node sites start one torchrun per node, joined by
-torchrun's c10d rendezvous at `rdzv_endpoint` (node 0's host:port, where node 0's torchrun hosts
-the store); the node's rank goes to the trainer (`--node-rank`), which numbers global ranks by
-node, since c10d ignores torchrun's own `--node-rank`. Nodes other than 0 are started with
+(service.standalone_env). Other single-node sites use torchrun `--standalone`.
+
+Multi-node sites start one torchrun per node, joined by torchrun's c10d rendezvous at
+`rdzv_endpoint` (node 0's host:port, where node 0's torchrun hosts the store); the node's rank
+goes to the trainer (`--node-rank`), which numbers global ranks by node, since c10d ignores
+torchrun's own `--node-rank`. Nodes other than 0 are started with
 `sovfl site CONFIG --site ID --node-rank N` (or, from node 0's trainer.json,
 `python -m site_trainer.launch --config trainer.json --node-rank N`); both first wait, up to a
 deadline, for node 0's rendezvous endpoint to accept connections.
