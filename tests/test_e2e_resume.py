@@ -10,8 +10,9 @@ it announces each stage it enters and waits there to be killed). The runs are bi
 comparable because digits rounds are deterministic, the stochastic rounding of the codec and of
 SecAgg's fixed point is seeded by site and round (test hook SOVFL_TEST_CODEC_SITE_SEED; production
 draws it from the OS; the int8 grid on the SecAgg clip is not exact in float: unseeded, a rerun
-round's fixed-point rounding flipped a word once in CI), and error feedback is off (a site's
-residual is not rewound when the round it encoded is rerun)."""
+round's fixed-point rounding flipped a word once in CI). Error feedback is on: every site encoded
+round 2 before the kill, so the rerun is exact only because it starts from the residual the dead
+attempt started from (federation/site/site_store.py ResidualStore)."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ def _config(directory: Path) -> Path:
     site = {"ranks": 1, "local_steps": 3, "batch_size": 16, "lr": 0.1}
     return write_config(directory / "resume.yaml", {
         "federation": {"name": "resume", "rounds": ROUNDS, "quorum": 2, "evaluate": False, "strategy": "fedadam",
-                       "codec": f"int8:clip={CLIP}", "error_feedback": False,  # a residual is not rewound (README)
+                       "codec": f"int8:clip={CLIP}", "error_feedback": True,  # the rerun rewinds the residual
                        "secagg": {"enabled": True, "threshold": 2, "clip": CLIP},
                        "deadlines": {"connect_s": 90, "round_s": 60, "trainer_start_s": 120}},
         "workload": {"task": "digits", "options": {"hidden": 16}},

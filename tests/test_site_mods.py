@@ -27,6 +27,7 @@ from federation.protocol.pipeline import RoundContext
 from federation.protocol.round_config import RoundConfig
 from federation.protocol.update_codec import CodecStage
 from federation.site.client_app import build_client_app
+from federation.site.codec_mod import encode_update
 from federation.site.site_store import SiteStore
 from site_trainer import endpoint, handoff
 
@@ -70,10 +71,10 @@ def service(tmp_path):
     svc.server.stop(0)
 
 
-def new_context(service: FakeService) -> bytes:
+def new_context(service: FakeService, **node_config) -> bytes:
     """A SuperNode's context (started afresh: nothing in its state)."""
-    return context_to_proto(Context(run_id=7, node_id=3, node_config={"site-id": "a", "trainer-socket": service.socket},
-                                    state=RecordDict(), run_config={}))
+    node_config = {"site-id": "a", "trainer-socket": service.socket, **node_config}
+    return context_to_proto(Context(run_id=7, node_id=3, node_config=node_config, state=RecordDict(), run_config={}))
 
 
 def train_message(rnd: int) -> Message:
@@ -101,9 +102,9 @@ def test_residual_lives_in_the_site_store_and_never_goes_to_the_trainer(service)
     metrics = reply.content.metric_records[keys.METRICS]
     assert metrics["state_arrays_in"] == 0 and metrics["upload_bytes"] * 4 < metrics["dense_bytes"]
     store = SiteStore(service.workdir)
-    kept = {k: np.array(v) for k, v in store.residual.load().items()}
+    kept = {k: np.array(v) for k, v in store.residual.load(before=2).items()}
     assert set(kept) == set(SHAPES)
-    assert json.loads((service.workdir / "residual" / "residual.json").read_text())["round"] == 1
+    assert json.loads((service.workdir / "residual" / "residual-1.json").read_text())["round"] == 1
     # the residual is exactly what the codec did not send: update - decoded(sent)
     sent = from_records(reply.content, keys.UPDATE, keys.UPDATE_META)
     decoded = CodecStage(parse_codec(CODEC, error_feedback=True), layout=UpdateSpec.of(kept)).decode(
@@ -114,14 +115,48 @@ def test_residual_lives_in_the_site_store_and_never_goes_to_the_trainer(service)
     # round 2 after a SuperNode restart: a new context; the residual comes from the store
     reply, _ = run(app, new_context(service), 2)
     assert reply.content.metric_records[keys.METRICS]["state_arrays_in"] == len(SHAPES)
-    assert json.loads((service.workdir / "residual" / "residual.json").read_text())["round"] == 2
-    assert len(list((service.workdir / "residual").glob("sovfl-residual-*"))) == 1  # the old file is gone
+    assert json.loads((service.workdir / "residual" / "residual-2.json").read_text())["round"] == 2
+    assert store.residual.rounds() == [1, 2]  # round 1's stays for a rerun of round 2
 
     methods = [m for m, _ in service.calls]
     assert "PutState" not in methods and methods.count("Train") == 2
     trains = [req for m, req in service.calls if m == "Train"]
     assert all("with_state" not in req for req in trains)  # the trainer is never asked for a residual
     assert all(req["config"]["codec"] == CODEC and req["round"] in (1, 2) for req in trains)
+
+
+def test_a_rerun_round_starts_from_the_residual_its_first_attempt_started_from(service):
+    """A coordinator resumed after its sites encoded round 2 asks for round 2 again: the site sends
+    exactly what the first attempt sent (not the dead attempt's residual folded in twice), and the
+    round after it reads the rerun's residual. Rounding is seeded so two encodes can be compared."""
+    app, seeded = build_client_app(), {"codec-site-seed": "5"}
+
+    def sent(rnd: int) -> tuple[dict, float]:
+        reply, _ = run(app, new_context(service, **seeded), rnd)
+        payload = from_records(reply.content, keys.UPDATE, keys.UPDATE_META)
+        return {k: np.array(v) for k, v in payload.arrays.items()}, \
+            reply.content.metric_records[keys.METRICS]["state_arrays_in"]
+
+    store = SiteStore(service.workdir)
+    sent(1)
+    first, used = sent(2)
+    after_first = {k: np.array(v) for k, v in store.residual.load(before=3).items()}
+    again, used_again = sent(2)  # the rerun
+    assert used == used_again == len(SHAPES)
+    assert first.keys() == again.keys() and all(np.array_equal(first[k], again[k]) for k in first)
+    after_rerun = store.residual.load(before=3)
+    assert all(np.array_equal(after_first[k], after_rerun[k]) for k in after_first)
+    # what the rerun would have sent from the dead attempt's residual (no rewind) is another payload
+    cfg = RoundConfig(round=2, federation="f", codec=CODEC, error_feedback=True, seed=99, deadline_s=20)
+    stale, _, _ = encode_update(update_for(2), after_first, cfg, RoundContext("f", 7, 2, "a", 99), site_seed=5)
+    assert not all(np.array_equal(first[k], np.asarray(stale.arrays[k])) for k in first)
+
+    for rnd in (3, 4, 5):
+        sent(rnd)
+    assert store.residual.rounds() == [3, 4, 5]  # the newest three; older files are gone
+    assert len(list((service.workdir / "residual").glob("sovfl-residual-*"))) == 3
+    sent(4)  # a rerun after a fallback to an older checkpoint drops the dead timeline's round 5
+    assert store.residual.rounds() == [3, 4]
 
 
 def test_in_process_federation_runs_the_real_round_with_the_mods(tmp_path):
@@ -136,5 +171,5 @@ def test_in_process_federation_runs_the_real_round_with_the_mods(tmp_path):
         lines = [coord.run_round(r) for r in (1, 2)]
     assert [x["status"] for x in lines] == ["aggregated", "aggregated"]
     assert [x["sites"]["site0"]["state_arrays_in"] for x in lines] == [0, len(SHAPES)]
-    assert all((tmp_path / f"site{s}" / "residual" / "residual.json").exists() for s in range(2))
+    assert all((tmp_path / f"site{s}" / "residual" / "residual-2.json").exists() for s in range(2))
     assert all(x["sites"][f"site{s}"]["upload_bytes"] < x["sites"][f"site{s}"]["dense_bytes"] for x in lines for s in range(2))

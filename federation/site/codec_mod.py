@@ -1,7 +1,8 @@
 """The update codec, the site's side, as a mod: compress the trainer's update with error feedback.
 
 The residual (what a lossy codec did not send yet) lives in the site store beside the downlink
-reference (site_store.py), so it survives restarts and never travels back to the trainer. The
+reference (site_store.py), so it survives restarts and never travels back to the trainer; a round
+run again after a coordinator resume starts from the residual its first attempt started from. The
 codec spec, its error-feedback flag and the round's seed come from the round config.
 """
 
@@ -45,7 +46,7 @@ def codec_mod(msg: Message, context: Context, call_next) -> Message:
     if cfg.codec == "identity":
         metrics["state_arrays_in"] = 0.0
         return reply
-    residual = env.store.residual.load() if cfg.error_feedback else {}
+    residual = env.store.residual.load(before=cfg.round) if cfg.error_feedback else {}
     payload, new_state, figures = encode_update(update_of(reply).arrays, residual, cfg, env.round_context(),
                                                 site_seed=rounding_seed(context))
     if new_state is not None:

@@ -74,20 +74,58 @@ class ReferenceStore:
 
 
 class ResidualStore:
-    """The codec's error-feedback residual: kept here, beside the reference, between rounds."""
+    """The codec's error-feedback residual, one file per round it was kept after.
 
-    def __init__(self, directory: str | Path):
-        self.file = ArrayFile(directory, "residual")
+    A round can be run twice: a coordinator killed after this site encoded round r resumes from
+    round r-1's checkpoint and asks for round r again. The rerun must start from the residual
+    the first attempt started from, or the site would send (and then drop) what the dead attempt
+    already folded in, and the resumed run would not be the run that would have happened. So the
+    residual after each round is kept under that round's number, `load(before=r)` reads the newest
+    one kept before round r, a save for round r drops those of later rounds (a dead timeline) and
+    only the newest `keep` survive: a resume goes back at most to the last checkpoint but one (the
+    fallback when the newest checkpoint is corrupt), so 3 is enough.
+    """
 
-    def load(self) -> Arrays:
-        """The residual ({} when there is none), mapped in place: replacing the file later leaves
-        this mapping valid."""
-        found = self.file.read()
-        return found[1] if found else {}
+    PREFIX = "residual-"
+
+    def __init__(self, directory: str | Path, keep: int = 3):
+        self.dir, self.keep = Path(directory), keep
+
+    def rounds(self) -> list[int]:
+        """The rounds a residual is kept after, oldest first."""
+        found = []
+        for index in self.dir.glob(f"{self.PREFIX}*.json"):
+            number = index.stem[len(self.PREFIX):]
+            if number.isdigit():
+                found.append(int(number))
+        return sorted(found)
+
+    def _file(self, rnd: int) -> ArrayFile:
+        return ArrayFile(self.dir, f"{self.PREFIX}{rnd}")
+
+    def load(self, before: int) -> Arrays:
+        """The residual kept after the newest round before round `before` ({} when there is
+        none), mapped in place: replacing the file later leaves this mapping valid."""
+        for rnd in reversed([r for r in self.rounds() if r < before]):
+            found = self._file(rnd).read()
+            if found is not None:
+                return found[1]
+        return {}
 
     def save(self, arrays: Arrays, rnd: int) -> None:
-        """Keep `arrays` (the residual after round `rnd`) for the next round."""
-        self.file.write(arrays, round=rnd)
+        """Keep `arrays` (the residual after round `rnd`); forget later rounds and all but the
+        newest `keep`."""
+        self._file(rnd).write(arrays, round=rnd)
+        kept = self.rounds()
+        for old in [r for r in kept if r > rnd] + [r for r in kept if r <= rnd][:-self.keep]:
+            self._drop(old)
+
+    def _drop(self, rnd: int) -> None:
+        file = self._file(rnd)
+        found = file.read()
+        file.index.unlink(missing_ok=True)
+        if found is not None:
+            handoff.release(found[2].path)
 
 
 class SiteStore:
