@@ -21,6 +21,7 @@ import os
 import socket
 import sys
 import time
+import uuid
 from pathlib import Path
 
 from site_trainer.config import SiteConfig, TrainerConfig
@@ -45,7 +46,8 @@ def torchrun_argv(site: SiteConfig, config_path: str, node_rank: int = 0, rdzv_i
     """`python -m torch.distributed.run ... -m site_trainer --config PATH` for this site's ranks on one node.
 
     `join_timeout_s` bounds how long a multi-node torchrun waits for the other nodes to join
-    (torchrun's own default is 600 s).
+    (torchrun's own default is 600 s). torchrun never restarts the ranks itself: whoever started it
+    does (the site supervisor), with a fresh `rdzv_id` for a multi-node site (see `publish_rdzv_id`).
     """
     if site.nnodes == 1:
         return [
@@ -88,6 +90,44 @@ def wait_for_rendezvous(site: SiteConfig, deadline_s: float) -> None:
                 f"within {deadline_s:g}s ({last}); start node 0 first (`sovfl site` without --node-rank) and "
                 "check that this node can reach that host and port")
         time.sleep(0.5)
+
+
+# ---- a multi-node pool started again: which rendezvous to meet in ------------------------------
+# A torchrun agent whose ranks failed closes its rendezvous for good: every node that comes back
+# with the same id fails with RendezvousClosedError. (torchrun's own --max-restarts does not help
+# either: two agents restarting on their own were seen to start ranks of different generations that
+# never connect.) So every start of node 0's pool gets a fresh id, which node 0 publishes in the
+# store its torchrun agent hosts at the rendezvous endpoint, and a node >= 1 reads it there before
+# each start of its own torchrun. A node that read the id of a pool that is going down fails to
+# join, and its supervisor starts it again after a back-off: it then reads the new id.
+
+RDZV_ID_KEY = "sovfl/rdzv-id"
+
+
+def fresh_rdzv_id(site: SiteConfig) -> str:
+    """A rendezvous id for one start of `site`'s pool."""
+    return f"sovfl-{site.id}-{uuid.uuid4().hex[:12]}"
+
+
+def _endpoint_store(site: SiteConfig, timeout_s: float):
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    host, port = site.rdzv_endpoint.rsplit(":", 1)
+    return TCPStore(host.strip("[]"), int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
+                    wait_for_workers=False)
+
+
+def publish_rdzv_id(site: SiteConfig, rdzv_id: str, timeout_s: float) -> None:
+    """Node 0, just after starting its torchrun with `rdzv_id`: tell the other nodes (raises when
+    the agent's store does not come up within `timeout_s`)."""
+    _endpoint_store(site, timeout_s).set(RDZV_ID_KEY, rdzv_id)
+
+
+def read_rdzv_id(site: SiteConfig, timeout_s: float) -> str:
+    """Node >= 1: the rendezvous id node 0's running pool uses (waits up to `timeout_s`)."""
+    return _endpoint_store(site, timeout_s).get(RDZV_ID_KEY).decode()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -21,6 +21,7 @@ import logging
 import os
 import runpy
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -39,14 +40,12 @@ def run(cfg: TrainerConfig, node_rank: int = 0) -> None:
     if not dist.is_initialized():
         init_process_group(cfg, node_rank)
     try:
-        try:
-            trainer = LocalTrainer(cfg)
-        except StrategyUnavailable as err:
-            raise SystemExit(f"site {cfg.site.id}: {err}") from None
-        trainer.serve()
-    finally:
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
+        trainer = LocalTrainer(cfg)
+    except StrategyUnavailable as err:
+        raise SystemExit(f"site {cfg.site.id}: {err}") from None
+    trainer.serve()
+    with contextlib.suppress(Exception):  # only after a clean stop: see exit_now
+        dist.destroy_process_group()
 
 
 def run_script(cfg: TrainerConfig, config_path: str, node_rank: int = 0) -> None:
@@ -86,10 +85,35 @@ def main(argv: list[str] | None = None) -> None:
     cfg = TrainerConfig.model_validate_json(Path(args.config).read_text())
     torch.set_num_threads(int(os.environ.get("SOVFL_TORCH_THREADS", "1")))
     standalone_env(cfg)
-    if cfg.workload.script is not None:
-        run_script(cfg, args.config, args.node_rank)
+    try:
+        if cfg.workload.script is not None:
+            run_script(cfg, args.config, args.node_rank)
+        else:
+            run(cfg, args.node_rank)
+    except BaseException as err:  # noqa: BLE001 - every way out of a failed rank ends in exit_now
+        exit_now(err)
+
+
+def exit_now(err: BaseException) -> None:
+    """A rank that cannot go on (its group broke: a rank on another node died) must exit at once,
+    so that torchrun and the site supervisor see it and start the pool again. A normal exit can
+    block for good: the interpreter joins the endpoint's handler threads, one of which may wait for
+    a reply this rank will never produce, and tearing down a group whose peer is dead can block too.
+    So: report, flush, and leave without either. A script's own `sys.exit(0)` exits normally."""
+    if isinstance(err, SystemExit) and err.code in (None, 0):
+        raise err
+    if isinstance(err, SystemExit) and isinstance(err.code, int):
+        code = err.code
     else:
-        run(cfg, args.node_rank)
+        code = 130 if isinstance(err, KeyboardInterrupt) else 1
+        if isinstance(err, SystemExit):
+            print(err.code, file=sys.stderr)
+        elif not isinstance(err, KeyboardInterrupt):
+            traceback.print_exception(err)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

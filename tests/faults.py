@@ -68,9 +68,9 @@ def _marked_where(marker: str, match) -> list[int]:
     return sorted(out)
 
 
-def site_rank_pids(marker: str, site: str) -> list[int]:
-    """The trainer ranks of `site` (the processes torchrun started, not torchrun itself)."""
-    suffix = f"sites/{site}/trainer.json".encode()
+def site_rank_pids(marker: str, site: str, node: int = 0) -> list[int]:
+    """The trainer ranks of `site` on its node `node` (the processes torchrun started, not torchrun itself)."""
+    suffix = f"sites/{site}/trainer{f'-node{node}' if node else ''}.json".encode()
     return _marked_where(marker, lambda args: b"site_trainer" in args and b"torch.distributed.run" not in args
                          and any(a.endswith(suffix) for a in args))
 
@@ -90,9 +90,9 @@ def _kill_one(pids: list[int], what: str, rank: int = 0) -> int:
     return pid
 
 
-def kill_site_rank(marker: str, site: str, rank: int = 0) -> int:
-    """SIGKILL one trainer rank of `site` (the `rank`-th by pid); its pid."""
-    return _kill_one(site_rank_pids(marker, site), f"trainer rank of site {site}", rank)
+def kill_site_rank(marker: str, site: str, rank: int = 0, node: int = 0) -> int:
+    """SIGKILL one trainer rank of `site` on its node `node` (the `rank`-th by pid); its pid."""
+    return _kill_one(site_rank_pids(marker, site, node), f"trainer rank of site {site} node {node}", rank)
 
 
 def kill_supernode(marker: str, site: str) -> int:
@@ -117,6 +117,7 @@ def wait_rounds(run: Path, rounds: list[int], proc, timeout_s: float = 400.0) ->
                                  f"{proc.stdout.read() if proc.stdout else ''}")
         if time.monotonic() > end:
             raise AssertionError(f"rounds {rounds} not done within {timeout_s:.0f}s")
+        time.sleep(0.1)
 
 
 # ---- kills inside a given stage (the coordinator's test hook, federation/coordinator/stage_hook.py) ----

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, as_foreground, assert_weighted_mean_rounds, digits_site, live_marked, sovfl, write_config
+from faults import kill_site_rank, site_rank_pids, wait_rounds
 from federation.coordinator.checkpoint import load_checkpoint
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow(seconds=220)]
@@ -49,11 +50,14 @@ def test_coordinator_and_sites_as_separate_commands(tmp_path, marker):
     """The deployment path of the README: `sovfl coordinator` and one `sovfl site` per site, where
     paris is a two-node site (2 nodes x 1 rank): its node 0 runs rank 0's endpoint and the SuperNode,
     its node 1 (`sovfl site --node-rank 1`, started first, so it waits for node 0's rendezvous
-    endpoint) runs only its torchrun and rank."""
+    endpoint) runs only its torchrun and rank. Node 1's rank is SIGKILLed after round 1: both
+    nodes' supervisors start their torchruns again, node 0's in a fresh rendezvous that node 1 reads
+    from node 0's store (site_trainer.launch.publish_rdzv_id), and paris trains in the last round
+    with both nodes' ranks, nothing done by hand."""
     from federation.ops.launcher import free_port
 
     paris = digits_site(0, "paris", 1, nnodes=2, rdzv_endpoint=f"127.0.0.1:{free_port()}")
-    cfg = {"federation": {"name": "deploy", "rounds": 1, "quorum": 2,
+    cfg = {"federation": {"name": "deploy", "rounds": 8, "quorum": 1,
                           "deadlines": {"connect_s": 120, "round_s": 60, "evaluate_s": 60}},
            "workload": {"task": "digits", "options": {"hidden": 8}},
            "sites": [paris, digits_site(1, "frankfurt", 1)]}
@@ -84,12 +88,16 @@ def test_coordinator_and_sites_as_separate_commands(tmp_path, marker):
                                  preexec_fn=as_foreground)
              for name in ("paris", "frankfurt")]
     try:
-        out, _ = coord.communicate(timeout=300)
+        wait_rounds(tmp_path / "coord", [1], coord)
+        killed = kill_site_rank(marker, "paris", node=1)
+        out, _ = coord.communicate(timeout=400)
         assert coord.returncode == 0, out
-        assert "RESULT rounds=1" in out and "signed updates required" in out
-        line = json.loads((tmp_path / "coord" / "metrics.jsonl").read_text().splitlines()[0])
-        digests = line["sites"]["paris"]["rank_digests"]
-        assert len(digests) == 2 and len(set(digests)) == 1  # both nodes' ranks trained the same model
+        assert "RESULT rounds=8" in out and "signed updates required" in out
+        lines = [json.loads(x) for x in (tmp_path / "coord" / "metrics.jsonl").read_text().splitlines()]
+        for line in (lines[0], lines[-1]):
+            digests = line["sites"]["paris"]["rank_digests"]
+            assert len(digests) == 2 and len(set(digests)) == 1  # both nodes' ranks trained the same model
+        assert killed not in site_rank_pids(marker, "paris", node=1)
         for s in (node1, *sites):
             assert s.poll() is None  # sites keep serving until stopped
             s.send_signal(signal.SIGINT)
@@ -98,6 +106,7 @@ def test_coordinator_and_sites_as_separate_commands(tmp_path, marker):
             assert "SuperNode connected" in s_out and s.returncode == 130, s_out
         n_out, _ = node1.communicate(timeout=60)
         assert node1.returncode == 130 and "joining the rendezvous" in n_out, n_out
+        assert "site paris node 1: trainer restarted" in n_out, n_out
         assert "SuperNode" not in n_out and not list((tmp_path / "paris-node1" / "logs").glob("*supernode*"))
     finally:
         for p in (coord, *sites, node1):

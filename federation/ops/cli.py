@@ -12,7 +12,8 @@ from pathlib import Path
 from crypto.pki import CoordinatorBundle, provision
 from federation.config.schema import ConfigError, load_config
 from federation.ops import export_cmd, launcher, report_cmd, run_dir, scrub_cmd, site_supervisor
-from site_trainer.launch import RendezvousUnreachable, check_node_rank, wait_for_rendezvous
+from site_trainer.launch import (RendezvousUnreachable, check_node_rank, fresh_rdzv_id, publish_rdzv_id,
+                                 read_rdzv_id, wait_for_rendezvous)
 
 
 def _on_sigterm(signum, frame):  # noqa: ARG001
@@ -131,8 +132,7 @@ def cmd_site(args: argparse.Namespace) -> int:
     try:
         start_s = cfg.federation.deadlines.trainer_start_s
         guard = launcher.site_guard(sup, cfg, print)  # restarts what dies (site_supervisor.py)
-        trainer = guard.watch_trainer(site.id, partial(launcher.start_trainer, sup, site, cfg, sock,
-                                                       join_timeout_s=start_s), sock)
+        trainer = guard.watch_trainer(site.id, partial(_start_node0_pool, sup, site, cfg, sock, start_s), sock)
         launcher.wait_trainers({site.id: trainer}, {site.id: sock}, start_s, print)
         guard.watch_supernode(site.id, partial(launcher.start_supernode, sup, site, args.superlink, sock, bundle,
                                                args.insecure, launcher.site_attestation_config(cfg, site.id, workdir)),
@@ -149,6 +149,9 @@ def _site_node(args: argparse.Namespace, cfg, site) -> int:
     """Node N >= 1 of a multi-node site: only this node's torchrun, joining node 0's rendezvous.
 
     No SuperNode and no endpoint here (global rank 0, on node 0, serves them), hence no bundle.
+    The torchrun is supervised like node 0's: a rank that dies (here or on another node, which
+    fails this node's collectives) takes it down, and it is started again, in the rendezvous node
+    0's restarted pool published (site_trainer.launch.read_rdzv_id).
     """
     deadline = args.rdzv_timeout or cfg.federation.deadlines.trainer_start_s
     workdir = Path(args.workdir or f"runs/{cfg.federation.name}-site-{site.id}").resolve()
@@ -161,23 +164,41 @@ def _site_node(args: argparse.Namespace, cfg, site) -> int:
         raise launcher.LaunchError(str(err)) from None
     sup = launcher.Supervisor(workdir)
     try:
-        trainer = launcher.start_trainer(sup, site, cfg, args.socket or "", node_rank=args.node_rank,
-                                         join_timeout_s=deadline)
+        guard = launcher.site_guard(sup, cfg, print)  # restarts what dies (site_supervisor.py)
+        trainer = guard.watch_trainer(f"{site.id} node {args.node_rank}",
+                                      partial(_start_node_pool, sup, site, cfg, args.node_rank, deadline), "")
         print(f"site {site.id} node {args.node_rank}: {site.ranks} rank(s) joining the rendezvous at "
               f"{site.rdzv_endpoint}; Ctrl-C to stop (log: {trainer.log})")
-        return _supervise(site, [trainer])
+        return site_supervisor.keep_running(guard)
     finally:
         sup.close()
 
 
-def _supervise(site, procs: list) -> int:
-    """Keep the site's processes running until one exits (an error: they serve until stopped)."""
-    while all(p.alive() for p in procs):
-        time.sleep(1)
-    dead = next(p for p in procs if not p.alive())
-    print(f"site {site.id}: {dead.name} exited with code {dead.popen.returncode}; see {dead.log}:\n"
-          f"{launcher.tail(dead.log)}", file=sys.stderr)
-    return 1
+def _start_node0_pool(sup, site, cfg, sock: str, start_s: float):
+    """Node 0's pool; a multi-node site's with a fresh rendezvous id, published to the other nodes."""
+    rdzv_id = fresh_rdzv_id(site) if site.nnodes > 1 else None
+    proc = launcher.start_trainer(sup, site, cfg, sock, join_timeout_s=start_s, rdzv_id=rdzv_id)
+    if rdzv_id is not None:
+        try:
+            publish_rdzv_id(site, rdzv_id, start_s)
+        except Exception as err:  # noqa: BLE001 - torch's store errors: the pool did not come up
+            proc.popen.kill()
+            raise launcher.LaunchError(f"site {site.id}: the rendezvous store at {site.rdzv_endpoint} did not come "
+                                       f"up within {start_s:g}s ({err}); see {proc.log}") from None
+    return proc
+
+
+def _start_node_pool(sup, site, cfg, node_rank: int, deadline: float):
+    """Node >= 1's pool, in the rendezvous node 0's running pool published."""
+    try:
+        wait_for_rendezvous(site, deadline)
+        rdzv_id = read_rdzv_id(site, deadline)
+    except RendezvousUnreachable as err:
+        raise launcher.LaunchError(str(err)) from None
+    except Exception as err:  # noqa: BLE001 - torch's store errors
+        raise launcher.LaunchError(f"site {site.id} node {node_rank}: no rendezvous id from node 0's store at "
+                                   f"{site.rdzv_endpoint} within {deadline:g}s ({err})") from None
+    return launcher.start_trainer(sup, site, cfg, "", node_rank=node_rank, join_timeout_s=deadline, rdzv_id=rdzv_id)
 
 
 def _command(sub, name: str, help: str, fn, workdir_help: str) -> argparse.ArgumentParser:

@@ -215,7 +215,7 @@ def wait_port(proc: Proc, port: int, deadline_s: float = 60.0) -> None:
 
 
 def start_trainer(sup: Supervisor, site: SiteConfig, cfg: ExperimentConfig, socket_path: str, node_rank: int = 0,
-                  join_timeout_s: float | None = None) -> Proc:
+                  join_timeout_s: float | None = None, rdzv_id: str | None = None) -> Proc:
     """This node's part of the site's trainer pool: its torchrun, or the one rank of a one-rank
     site (launch.trainer_argv); node 0 serves `socket_path`."""
     tcfg = TrainerConfig(site=site, workload=cfg.workload, num_partitions=len(cfg.sites),
@@ -225,7 +225,7 @@ def start_trainer(sup: Supervisor, site: SiteConfig, cfg: ExperimentConfig, sock
     node = f"-node{node_rank}" if node_rank else ""  # nodes may share the workdir: one file each
     cfg_path = Path(tcfg.workdir) / f"trainer{node}.json"
     cfg_path.write_text(tcfg.model_dump_json(indent=2))
-    return sup.start(f"site-{site.id}{node}-trainer", trainer_argv(site, str(cfg_path), node_rank, None, join_timeout_s),
+    return sup.start(f"site-{site.id}{node}-trainer", trainer_argv(site, str(cfg_path), node_rank, rdzv_id, join_timeout_s),
                      {"OMP_NUM_THREADS": "1"})
 
 

@@ -209,7 +209,7 @@ def trainer_cleanup(sup: Supervisor, socket_path: str) -> Callable[[Proc], None]
         while left and time.monotonic() < end:
             left = [pid for pid in left if Path(f"/proc/{pid}").exists() and not _zombie(pid)]
             time.sleep(0.05)
-        for path in (socket_path, socket_path + ".ready"):
+        for path in (socket_path, socket_path + ".ready") if socket_path else ():  # nodes >= 1 serve none
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
     return cleanup
