@@ -30,7 +30,7 @@ test: $(STAMP)
 
 # Long runs. Fuzzing: 100,000 generated inputs per decoder of another party's bytes
 # (tests/fuzzing/README.md); FUZZ_ARGS passes options, e.g. FUZZ_ARGS="--inputs 1000 envelope-blob".
-# Fault injection: 20 seeded SIGKILLs of the coordinator over a 15-round digits run, resumed each time
+# Fault injection: 20 seeded SIGKILLs (coordinator, SuperNodes, trainer ranks) over a 15-round 3-site SecAgg+ digits run
 # (tests/fault_soak.py); FAULT_ARGS passes options, e.g. FAULT_ARGS="--kills 3 --rounds 5 --seed 1".
 soak: $(STAMP)
 	FLWR_TELEMETRY_ENABLED=0 $(PY) tests/fuzz_soak.py $(FUZZ_ARGS)

@@ -78,8 +78,17 @@ def single_rank_group():
 
 
 @pytest.fixture
-def marker() -> str:
-    return uuid.uuid4().hex
+def marker():
+    """The run marker of a test's processes; whatever carries it is SIGKILLed at teardown, so a
+    failed test does not leave its federation running (and eating the CPU) under the next tests.
+    Tests that pass assert `live_marked(marker) == []` themselves."""
+    mark = uuid.uuid4().hex
+    yield mark
+    for pid in live_marked(mark):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def live_marked(marker: str) -> list[int]:

@@ -3,9 +3,14 @@
     .venv/bin/python tests/fault_soak.py                     # 20 kills over a 15-round digits run
     .venv/bin/python tests/fault_soak.py --kills 4 --rounds 6 --seed 1
 
-A `sovfl simulate` run (2 sites, digits) is SIGKILLed by a schedule drawn from --seed, at random
-moments of its rounds, whatever it is doing (a train stage, aggregation, the checkpoint write, the
-metrics line). Each kill hits one of:
+A `sovfl simulate` run (3 sites, digits, SecAgg+ with threshold 2, the int8 codec with error
+feedback) is SIGKILLed by a schedule drawn from --seed, at random moments of its rounds, whatever it
+is doing (a SecAgg stage, the train stage, aggregation, the checkpoint write, the metrics line); each
+kill line names the stage the coordinator was in. Aggregation and the checkpoint write last
+milliseconds, which a random moment seldom hits, so in a share of the attempts (--target-share) the
+coordinator kill is aimed at one of them: the ServerApp's stage hook (federation/coordinator/
+stage_hook.py) holds it on entering that stage of a round drawn from the seed, and it is killed
+there. Each kill hits one of:
 - the coordinator (ServerApp, SuperLink and SuperExec): the run goes on with `sovfl simulate --resume`;
 - a site's SuperNode, or one of a site's trainer ranks: nothing is done by hand, the run's site
   supervisor restarts it (federation/ops/site_supervisor.py; ranks resume from the site's local
@@ -20,9 +25,11 @@ run after the killed one, uninterrupted, with the same seed and with each site t
 exactly the rounds it missed in the killed run (node config `absent-rounds`,
 federation/site/fault_hooks.py): both runs then aggregate the same sites in every round, and
 final_hash_equal compares their final global models bit for bit. That equality shows coordinator
-resumes are exact and restarted sites contribute exactly the update an unbroken site would have
-(their state comes back from the local checkpoint and site store, nothing from the dead process).
-Sites here run SGD on digits, whose rounds are deterministic (batch sampling is seeded per round).
+resumes are exact (a rerun SecAgg round has fresh keys and masks, and each site encodes from the
+residual its first attempt started from) and restarted sites contribute exactly the update an
+unbroken site would have (their state comes back from the local checkpoint and site store, nothing
+from the dead process). Sites here run SGD on digits, whose rounds are deterministic (batch sampling
+is seeded per round), and the stochastic rounding is seeded (SEEDED, a test hook).
 
 Prints one line per kill, then
 `RESULT kills=<n> rounds=<n> lost_rounds=<n> final_hash_equal=<true|false>`: kills counts every
@@ -51,14 +58,19 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 ROOT = Path(__file__).resolve().parents[1]
 
-from faults import kill_coordinator, kill_site_rank, kill_supernode, rounds_done  # noqa: E402
+from faults import kill_coordinator, kill_site_rank, kill_supernode, rounds_done, stage_entries, stage_hook_env  # noqa: E402,E501
 from federation.coordinator.checkpoint import CheckpointStore  # noqa: E402
 from federation.ops.launcher import marked_pids  # noqa: E402
 from federation.protocol.downlink_steps import model_digest  # noqa: E402
 
-SITES = ("paris", "berlin")
+SITES = ("paris", "berlin", "madrid")
+CLIP = 0.5
+# test hook: stochastic rounding (codec and SecAgg fixed point) seeded by site and round, so that two
+# runs can be compared bit for bit (federation/site/codec_mod.py); production draws it from the OS
+SEEDED = {"SOVFL_TEST_CODEC_SITE_SEED": "7"}
 KINDS = ("coordinator", "supernode", "rank")
 SITE_KILLS_STOP = 5  # no site kill once fewer rounds than this are left
+TARGETS = ("aggregate", "checkpoint")  # brief stages a random moment seldom hits: held there by the stage hook
 
 
 def config(directory: Path, rounds: int) -> Path:
@@ -66,6 +78,8 @@ def config(directory: Path, rounds: int) -> Path:
     path = directory / "soak.yaml"
     path.write_text(yaml.safe_dump({
         "federation": {"name": "soak", "rounds": rounds, "quorum": 1, "evaluate": False, "strategy": "fedadam",
+                       "codec": f"int8:clip={CLIP}", "error_feedback": True,
+                       "secagg": {"enabled": True, "threshold": 2, "clip": CLIP},
                        "deadlines": {"connect_s": 90, "round_s": 60, "trainer_start_s": 120},
                        "site_restarts": {"max_restarts": 100, "backoff_s": 0.5}},
         "workload": {"task": "digits", "options": {"hidden": 16}},
@@ -74,14 +88,23 @@ def config(directory: Path, rounds: int) -> Path:
     return path
 
 
-def _popen(argv: list[str], marker: str) -> subprocess.Popen:
-    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "SOVFL_RUN_MARKER": marker}
+def _popen(argv: list[str], marker: str, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+    env = {**os.environ, **SEEDED, **(extra_env or {}), "FLWR_TELEMETRY_ENABLED": "0", "SOVFL_RUN_MARKER": marker}
     return subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=ROOT, env=env)
 
 
-def sovfl(args: list[str], marker: str) -> subprocess.Popen:
-    return _popen(["-m", "federation.ops.cli", *args], marker)
+def sovfl(args: list[str], marker: str, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+    return _popen(["-m", "federation.ops.cli", *args], marker, extra_env)
+
+
+def current_stage(hook: Path, since: int) -> tuple[str, str]:
+    """(round and stage, stage) the coordinator announced last (federation/coordinator/stage_hook.py),
+    "start-up" when it announced none after the first `since` entries (the earlier attempts')."""
+    entries = stage_entries(hook)
+    if len(entries) <= since:
+        return "start-up", "start-up"
+    return f"round {entries[-1]['round']} {entries[-1]['stage']}", entries[-1]["stage"]
 
 
 def simulate_absent(path: Path, workdir: Path, absent: dict[str, list[int]], marker: str) -> subprocess.Popen:
@@ -110,6 +133,17 @@ def round_seconds(run: Path) -> float:
     return float(np.mean(times)) if times else 8.0
 
 
+def held(hook: Path, since: int, target: tuple[int, str], proc: subprocess.Popen, timeout_s: float) -> bool:
+    """Wait until this attempt's coordinator announces entering `target` (round, stage), where the
+    stage hook holds it; False if it exits or does not get there within `timeout_s`."""
+    end = time.monotonic() + timeout_s
+    while proc.poll() is None and time.monotonic() < end:
+        if any(e["round"] == target[0] and e["stage"] == target[1] for e in stage_entries(hook)[since:]):
+            return True
+        time.sleep(0.1)
+    return False
+
+
 def kill_site(kind: str, site: str, marker: str) -> int | None:
     """SIGKILL a site's SuperNode or one of its ranks; None when it is down already (restarting)."""
     try:
@@ -124,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--site-share", type=float, default=0.5, help="the share of kills aimed at sites")
+    ap.add_argument("--target-share", type=float, default=0.4,
+                    help="the share of attempts whose coordinator kill is held for in aggregation or the checkpoint "
+                         "write (the stage hook pauses the ServerApp there) instead of landing at a random moment")
     ap.add_argument("--workdir", help="where the two runs go (default: a temporary directory)")
     args = ap.parse_args(argv)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="sovfl-fault-soak-")).resolve()
@@ -137,26 +174,37 @@ def main(argv: list[str] | None = None) -> int:
 
     run, lost, attempt = work / "run", 0, 0
     counts = dict.fromkeys(KINDS, 0)
+    hook = work / "stages.jsonl"  # the stages the coordinator enters (test hook), to name where each kill landed
+    stages: dict[str, int] = {}
     site_kills: list[tuple[str, int]] = []  # (site, rounds completed when it was killed)
-    out = ""
+    out, first_round = "", 1
     while True:
         attempt += 1
         resume = ["--resume", str(run)] if attempt > 1 else []
         if resume and (run / "progress.log").exists():  # so that the wait below reads the new attempt's
             (run / "progress.log").rename(run / f"progress.attempt{attempt - 1}.log")
-        proc = sovfl(["simulate", str(path), "--workdir", str(run), *resume], marker)
+        since = len(stage_entries(hook))
+        target = None  # (round, stage) where this attempt's coordinator kill lands, the ServerApp held there
+        if sum(counts.values()) < args.kills and rng.random() < args.target_share:
+            target = (min(args.rounds, first_round + int(rng.integers(0, 2))), str(rng.choice(TARGETS)))
+        pause = f"{target[0]}:{target[1]}" if target else ""
+        proc = sovfl(["simulate", str(path), "--workdir", str(run), *resume], marker, stage_hook_env(hook, pause))
         progress = run / "progress.log"
         while proc.poll() is None and not (progress.exists() and "sites: " in progress.read_text()):
             time.sleep(0.05)
         next_attempt = False
         while proc.poll() is None and not next_attempt and sum(counts.values()) < args.kills:
             time.sleep(float(rng.uniform(0.0, 1.5 * round_seconds(run))))
-            kind = str(rng.choice(KINDS, p=[1 - 2 * share, share, share]))
+            kind = str(rng.choice(KINDS, p=[1 - 2 * share, share, share])) if target is None else "coordinator"
             site = str(rng.choice(SITES))
+            if target is not None and not held(hook, since, target, proc, 3 * round_seconds(run) + 120):
+                print(f"fault soak: the coordinator did not enter round {target[0]} {target[1]}; killing it where it is",
+                      flush=True)
             done_before = rounds_done(run)
             last = done_before[-1] if done_before else 0
             if proc.poll() is not None:
                 break
+            where, stage = current_stage(hook, since)
             if kind != "coordinator":
                 if last > args.rounds - stop:
                     continue  # too late: the site could not show it is back
@@ -164,21 +212,24 @@ def main(argv: list[str] | None = None) -> int:
                 if pid is None:
                     continue  # that process is being restarted right now: draw again
                 counts[kind] += 1
+                stages[stage] = stages.get(stage, 0) + 1
                 site_kills.append((site, last))
-                print(f"kill {sum(counts.values())}: {kind} of site {site} (pid {pid}) after round {last} completed",
-                      flush=True)
+                print(f"kill {sum(counts.values())}: {kind} of site {site} (pid {pid}) after round {last} completed, "
+                      f"coordinator in {where}", flush=True)
                 continue
             victims = kill_coordinator(run, marker)
             if not victims or proc.poll() is not None:
                 break
             counts[kind] += 1
+            stages[stage] = stages.get(stage, 0) + 1
             proc.communicate(timeout=180)
             ckpt = CheckpointStore(run / "checkpoints").latest()
             resumed_from = ckpt.round if ckpt else 0
+            first_round = resumed_from + 1
             redone = max(0, last - resumed_from)
             lost += redone
-            print(f"kill {sum(counts.values())}: coordinator ({len(victims)} process(es)) after round {last} "
-                  f"completed; resuming from round {resumed_from} (lost {redone})", flush=True)
+            print(f"kill {sum(counts.values())}: coordinator ({len(victims)} process(es)) in {where}, after round "
+                  f"{last} completed; resuming from round {resumed_from} (lost {redone})", flush=True)
             next_attempt = True
         if next_attempt:
             continue
@@ -212,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     kills = sum(counts.values())
     print(f"fault soak: {kills} kill(s): " + ", ".join(f"{k} {v}" for k, v in counts.items())
           + f"; {time.monotonic() - t0:.0f}s in all; runs in {work}")
+    print("fault soak: kills by the coordinator's stage: " + ", ".join(f"{k} {v}" for k, v in sorted(stages.items())))
     print(f"RESULT kills={kills} rounds={len(rounds)} lost_rounds={lost} final_hash_equal={str(equal).lower()}")
     return 0 if equal and lost == 0 and rejoined and not leftover else 1
 

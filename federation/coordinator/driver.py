@@ -312,6 +312,7 @@ class Coordinator:
                 t0 = time.monotonic()
                 step.aggregate(state, result)
                 traffic.stages.append(stage_timing(ex.stage, result, time.monotonic() - t0))
+            stage_hook.entered("aggregate", state)
             t0 = time.monotonic()
             out = strategy.finish(state)
             took = round(time.monotonic() - t0, 4)  # the strategy's own work (decode, unmask): aggregation
@@ -584,6 +585,7 @@ class Coordinator:
         """Checkpoint the round, then append its metrics line: a resume rewrites metrics.jsonl from
         the checkpoint's history, so a line is never written for a round that has no checkpoint."""
         self.history.append(line)
+        stage_hook.entered("checkpoint", rnd=rnd)  # test hook: inert unless SOVFL_TEST_STAGE_HOOK is set
         t0 = time.monotonic()
         checkpoint_round(self, rnd)
         # known only after the write: the checkpoint's copy of this line lacks it (a resumed run's

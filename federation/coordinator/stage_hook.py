@@ -26,13 +26,16 @@ PAUSE = "SOVFL_TEST_STAGE_PAUSE"
 PAUSE_S = 120.0  # a test that never kills does not hang the run: it goes on after this
 
 
-def entered(stage: str, state: object) -> None:
-    """The driver enters `stage` of the round `state` belongs to (see the module docstring)."""
+def entered(stage: str, state: object = None, rnd: int | None = None) -> None:
+    """The driver enters `stage` of round `rnd` (default: the round `state` belongs to; see the
+    module docstring). Stages: each exchange's name, "aggregate" (the strategy's finish) and
+    "checkpoint" (the round's checkpoint write)."""
     path = os.environ.get(HOOK)
     if not path:
         return
     inp = getattr(state, "inp", None)
-    rnd = inp.ctx.round if inp is not None else None
+    if rnd is None and inp is not None:
+        rnd = inp.ctx.round
     line: dict = {"round": rnd, "stage": stage, "pid": os.getpid()}
     setups = getattr(state, "setups", None)
     if setups is not None and setups.plan is not None:
