@@ -504,3 +504,18 @@ def test_a_slow_setup_query_sent_in_the_last_round_is_awaited_until_its_deadline
     r2 = coord.train_round(2)
     assert not slow.held
     assert r2["status"] == "aggregated" and r2["secagg"]["contributors"] == list("abcd"), r2["failed"]
+
+
+def test_a_site_whose_train_failed_sends_its_next_setup_with_the_failure(tmp_path):
+    """A site alive but failing a round (its trainer down, here the absent-rounds hook) answers the
+    next round's setup in that very failure reply: it takes part in the next round without a query of
+    its own (on a real federation that query was seen to come back too late, costing the site a second
+    round; tests/fault_soak.py's reference lost every site's next round that way)."""
+    coord, _ = make(tmp_path, node_config={"c": {"absent-rounds": "2"}})
+    lines = {rnd: coord.train_round(rnd) for rnd in (1, 2, 3)}
+    assert "test fault injected: absent from round 2" in lines[2]["failed"]["c"]
+    assert lines[2]["secagg"]["contributors"] == list("abde")
+    assert lines[3]["secagg"]["contributors"] == list("abcde") and not lines[3]["failed"]
+    sent = coord.messages_per_site()
+    # as a's (discovery, the first setup's query, train and unmask each round) but round 2's unmask
+    assert sent["c"] == sent["a"] - 1

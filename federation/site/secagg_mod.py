@@ -106,7 +106,7 @@ def secagg_mod(msg: Message, context: Context, call_next) -> Message:
     masking = prepare_masking(msg, context, env) if stage_req and train else None
     reply = call_next(msg, context)
     if not ok(reply):
-        return reply
+        return _with_setup(reply, msg, context, env.site) if setup_req else reply
     if masking is not None:
         st = reply.content.config_records[keys.STATUS]
         masked = on_train(msg, context, env.site, update_of(reply), int(st["num_examples"]), masking)
@@ -117,8 +117,8 @@ def secagg_mod(msg: Message, context: Context, call_next) -> Message:
             sum(len(a.data) for a in masked[keys.SECAGG_CHUNKS].values()))
     elif stage_req:
         answer = on_unmask(msg, context, env.site)
-        if not isinstance(answer, ConfigRecord):
-            return answer  # a failure reply that says why
+        if not isinstance(answer, ConfigRecord):  # a failure reply that says why
+            return _with_setup(answer, msg, context, env.site) if setup_req else answer
         reply.content[keys.SECAGG] = answer
     if setup_req:
         reply.content[keys.SECAGG_SETUP] = on_setup(msg, context, env.site)
@@ -129,6 +129,15 @@ def secagg_mod(msg: Message, context: Context, call_next) -> Message:
         except SecAggError as err:
             status["secagg_error"] = str(err)
     return reply
+
+
+def _with_setup(failed: Message, msg: Message, context: Context, site: str) -> Message:
+    """A failed stage still answers the next round's setup the message asked for: the site is alive
+    and its keys do not depend on its training, so a trainer that failed this round (and is back
+    for the next) does not sit the next round out for want of a setup."""
+    if failed.has_content():
+        failed.content[keys.SECAGG_SETUP] = on_setup(msg, context, site)
+    return failed
 
 
 # ---- state in context.state -------------------------------------------------------------------
