@@ -6,7 +6,7 @@
 A `sovfl simulate` run (3 sites, digits, SecAgg+ with threshold 2, the int8 codec with error
 feedback) is SIGKILLed by a schedule drawn from --seed, at random moments of its rounds, whatever it
 is doing (a SecAgg stage, the train stage, aggregation, the checkpoint write, the metrics line); each
-kill line names the stage the coordinator was in. Aggregation and the checkpoint write last
+kill line names the stage the coordinator entered last (stages are announced on entry). Aggregation and the checkpoint write last
 milliseconds, which a random moment seldom hits, so in a share of the attempts (--target-share) the
 coordinator kill is aimed at one of them: the ServerApp's stage hook (federation/coordinator/
 stage_hook.py) holds it on entering that stage of a round drawn from the seed, and it is killed
@@ -197,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(float(rng.uniform(0.0, 1.5 * round_seconds(run))))
             kind = str(rng.choice(KINDS, p=[1 - 2 * share, share, share])) if target is None else "coordinator"
             site = str(rng.choice(SITES))
-            if target is not None and not held(hook, since, target, proc, 3 * round_seconds(run) + 120):
+            is_held = target is not None and held(hook, since, target, proc, 3 * round_seconds(run) + 120)
+            if target is not None and not is_held:
                 print(f"fault soak: the coordinator did not enter round {target[0]} {target[1]}; killing it where it is",
                       flush=True)
             done_before = rounds_done(run)
@@ -205,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
             if proc.poll() is not None:
                 break
             where, stage = current_stage(hook, since)
+            # a stage is announced on entry: unless held there, the coordinator is in it or past it
+            where, stage = (f"held in {where}", f"held in {stage}") if is_held else (f"last entered {where}", stage)
             if kind != "coordinator":
                 if last > args.rounds - stop:
                     continue  # too late: the site could not show it is back
@@ -215,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                 stages[stage] = stages.get(stage, 0) + 1
                 site_kills.append((site, last))
                 print(f"kill {sum(counts.values())}: {kind} of site {site} (pid {pid}) after round {last} completed, "
-                      f"coordinator in {where}", flush=True)
+                      f"coordinator {where}", flush=True)
                 continue
             victims = kill_coordinator(run, marker)
             if not victims or proc.poll() is not None:
@@ -228,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             first_round = resumed_from + 1
             redone = max(0, last - resumed_from)
             lost += redone
-            print(f"kill {sum(counts.values())}: coordinator ({len(victims)} process(es)) in {where}, after round "
+            print(f"kill {sum(counts.values())}: coordinator ({len(victims)} process(es)) {where}, after round "
                   f"{last} completed; resuming from round {resumed_from} (lost {redone})", flush=True)
             next_attempt = True
         if next_attempt:
@@ -263,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     kills = sum(counts.values())
     print(f"fault soak: {kills} kill(s): " + ", ".join(f"{k} {v}" for k, v in counts.items())
           + f"; {time.monotonic() - t0:.0f}s in all; runs in {work}")
-    print("fault soak: kills by the coordinator's stage: " + ", ".join(f"{k} {v}" for k, v in sorted(stages.items())))
+    print("fault soak: kills by the coordinator's stage (held in: held there on entering it; otherwise the stage "
+          "it entered last): " + ", ".join(f"{k} {v}" for k, v in sorted(stages.items())))
     print(f"RESULT kills={kills} rounds={len(rounds)} lost_rounds={lost} final_hash_equal={str(equal).lower()}")
     return 0 if equal and lost == 0 and rejoined and not leftover else 1
 

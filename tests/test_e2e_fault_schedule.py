@@ -38,5 +38,5 @@ def test_short_seeded_fault_schedule_ends_bit_identical_with_nothing_lost(tmp_pa
     assert result.groups() == ("2", "3", "0", "true"), out
     kinds = re.search(r"kill\(s\): coordinator (\d+), supernode (\d+), rank (\d+)", proc.stdout)
     assert kinds is not None and int(kinds[1]) >= 1 and int(kinds[2]) + int(kinds[3]) >= 1, out
-    stages = re.search(r"kills by the coordinator's stage: (.*)$", proc.stdout, re.M)
-    assert stages is not None and ("checkpoint" in stages[1] or "aggregate" in stages[1]), out
+    stages = re.search(r"kills by the coordinator's stage \(.*?\): (.*)$", proc.stdout, re.M)
+    assert stages is not None and ("held in checkpoint" in stages[1] or "held in aggregate" in stages[1]), out
