@@ -77,8 +77,9 @@ def new_context(service: FakeService, **node_config) -> bytes:
     return context_to_proto(Context(run_id=7, node_id=3, node_config=node_config, state=RecordDict(), run_config={}))
 
 
-def train_message(rnd: int) -> Message:
-    config = RoundConfig(round=rnd, federation="f", codec=CODEC, error_feedback=True, seed=99, deadline_s=20)
+def train_message(rnd: int, aggregated: list[str] | None = None) -> Message:
+    config = RoundConfig(round=rnd, federation="f", codec=CODEC, error_feedback=True, seed=99, deadline_s=20,
+                         aggregated=aggregated or [])
     glob = ArrayRecord({k: to_array(np.zeros(s, np.float32)) for k, s in SHAPES.items()})
     with task_identity(7):
         msg = Message(RecordDict({keys.CONFIG: config.to_record(), keys.GLOBAL: glob}), dst_node_id=3,
@@ -87,10 +88,10 @@ def train_message(rnd: int) -> Message:
     return wire(msg)
 
 
-def run(app, ctx_proto: bytes, rnd: int) -> tuple[Message, bytes]:
+def run(app, ctx_proto: bytes, rnd: int, aggregated: list[str] | None = None) -> tuple[Message, bytes]:
     """One message through a fresh ClientApp process: the reply and the context the SuperNode keeps."""
     ctx = context_from_proto(ctx_proto)
-    reply = app(train_message(rnd), ctx)
+    reply = app(train_message(rnd, aggregated), ctx)
     return reply, context_to_proto(ctx)
 
 
@@ -157,6 +158,32 @@ def test_a_rerun_round_starts_from_the_residual_its_first_attempt_started_from(s
     assert len(list((service.workdir / "residual").glob("sovfl-residual-*"))) == 3
     sent(4)  # a rerun after a fallback to an older checkpoint drops the dead timeline's round 5
     assert store.residual.rounds() == [3, 4]
+
+
+def test_an_update_encoded_but_never_aggregated_leaves_no_trace_in_the_residual(service):
+    """Round 2's update was encoded, then its SecAgg round aborted: the coordinator says the site's
+    last aggregated round is 1, and round 3 is encoded from round 1's residual, exactly as by a site
+    that sat round 2 out."""
+    app, seeded = build_client_app(), {"codec-site-seed": "5"}
+    store = SiteStore(service.workdir)
+    run(app, new_context(service, **seeded), 1, ["a:0", "b:0"])
+    after_1 = {k: np.array(v) for k, v in store.residual.load(before=2).items()}
+    run(app, new_context(service, **seeded), 2, ["a:1", "b:1"])  # encoded; the round then aborted
+    assert store.residual.rounds() == [1, 2]
+    reply, _ = run(app, new_context(service, **seeded), 3, ["a:1", "b:1"])
+    sent = {k: np.array(v) for k, v in from_records(reply.content, keys.UPDATE, keys.UPDATE_META).arrays.items()}
+    cfg = RoundConfig(round=3, federation="f", codec=CODEC, error_feedback=True, seed=99, deadline_s=20)
+    want, _, _ = encode_update(update_for(3), after_1, cfg, RoundContext("f", 7, 3, "a", 99), site_seed=5)
+    assert all(np.array_equal(sent[k], np.asarray(want.arrays[k])) for k in sent)
+    # without the rewind, round 2's residual would have been used: another payload
+    stale, _, _ = encode_update(update_for(3), store.residual.load(before=3), cfg, RoundContext("f", 7, 3, "a", 99),
+                                site_seed=5)
+    assert not all(np.array_equal(sent[k], np.asarray(stale.arrays[k])) for k in sent)
+    # a site never aggregated (0) starts afresh; a malformed entry reads as "not aggregated"
+    assert RoundConfig(round=3, aggregated=["a:0"]).aggregated_round("a") == 0
+    assert RoundConfig(round=3, aggregated=["a:x", "b:2"]).aggregated_round("a") == 0
+    assert RoundConfig(round=3).aggregated_round("a") is None
+    assert store.residual.load(before=3, at=0) == {} and store.residual.load(before=3, at=7) == {}
 
 
 def test_in_process_federation_runs_the_real_round_with_the_mods(tmp_path):

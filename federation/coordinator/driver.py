@@ -331,9 +331,20 @@ class Coordinator:
         """The CONFIG record of a stage's messages."""
         return RoundConfig(round=rnd, federation=self.fed.name, update_kind=self.fed.update_kind,
                            seed=self.round_seed(rnd), codec=self.fed.codec, error_feedback=self.fed.error_feedback,
-                           seal=self.fed.seal, evaluate=evaluate,
+                           seal=self.fed.seal, evaluate=evaluate, aggregated=self.aggregated_rounds(rnd),
                            # the site must answer before our deadline, ClientApp start-up (a few seconds) included
                            deadline_s=max(1.0, deadline_s * 0.8 - 2.0))
+
+    def aggregated_rounds(self, rnd: int) -> list[str]:
+        """'site:round' for every configured site: the newest round before `rnd` whose update from
+        it is in the global model (0: none), from the run's history (a resumed run's included)."""
+        last = {s.id: 0 for s in self.cfg.sites}
+        for line in self.history:
+            if line.get("status") == "aggregated" and int(line.get("round", 0)) < rnd:
+                for site in line.get("sites", {}):
+                    if site in last:
+                        last[site] = max(last[site], int(line["round"]))
+        return [f"{site}:{r}" for site, r in sorted(last.items())]
 
     def model_message(self, rnd: int, deadline_s: float, evaluate: bool = False) -> Callable[[int], RecordDict]:
         """The global model (with a downlink codec: the encoded steps from the model each site holds,

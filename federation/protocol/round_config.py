@@ -35,6 +35,22 @@ class RoundConfig(BaseModel):
     evaluate: bool = Field(False, description="evaluate the received global model before training; the "
                            "figures ride back with the update")
     deadline_s: float = Field(300.0, gt=0, description="the site must answer within this (ClientApp start-up included)")
+    aggregated: list[str] = Field(default_factory=list, max_length=10_000, description=(
+        "'site:round' for every site: the newest earlier round whose update from that site is in the global "
+        "model (0: none yet). A site's error feedback goes on from the residual of that round, so an update "
+        "that was encoded but never aggregated (an aborted SecAgg round, a skipped or rerun round) leaves no "
+        "trace. Empty: not given (the newest residual before this round)"))
+
+    def aggregated_round(self, site: str) -> int | None:
+        """The newest earlier round whose update from `site` is in the global model (0: none), or
+        None when the coordinator did not say. Malformed entries are ignored."""
+        if not self.aggregated:
+            return None
+        for entry in self.aggregated:
+            name, _, rnd = entry.rpartition(":")
+            if name == site and rnd.isdigit():
+                return int(rnd)
+        return 0
 
     def to_record(self) -> ConfigRecord:
         """The CONFIG record of a message."""

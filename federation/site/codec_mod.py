@@ -2,7 +2,9 @@
 
 The residual (what a lossy codec did not send yet) lives in the site store beside the downlink
 reference (site_store.py), so it survives restarts and never travels back to the trainer; a round
-run again after a coordinator resume starts from the residual its first attempt started from. The
+run again after a coordinator resume starts from the residual its first attempt started from, and one
+after a round whose update was not aggregated (an aborted SecAgg round) from the residual of the last
+round that was: the round config says which (RoundConfig.aggregated). The
 codec spec, its error-feedback flag and the round's seed come from the round config.
 """
 
@@ -46,7 +48,8 @@ def codec_mod(msg: Message, context: Context, call_next) -> Message:
     if cfg.codec == "identity":
         metrics["state_arrays_in"] = 0.0
         return reply
-    residual = env.store.residual.load(before=cfg.round) if cfg.error_feedback else {}
+    residual = env.store.residual.load(before=cfg.round, at=cfg.aggregated_round(env.site)) \
+        if cfg.error_feedback else {}
     payload, new_state, figures = encode_update(update_of(reply).arrays, residual, cfg, env.round_context(),
                                                 site_seed=rounding_seed(context))
     if new_state is not None:

@@ -83,7 +83,10 @@ class ResidualStore:
     residual after each round is kept under that round's number, `load(before=r)` reads the newest
     one kept before round r, a save for round r drops those of later rounds (a dead timeline) and
     only the newest `keep` survive: a resume goes back at most to the last checkpoint but one (the
-    fallback when the newest checkpoint is corrupt), so 3 is enough.
+    fallback when the newest checkpoint is corrupt), so 3 is enough. The same holds for an update
+    that was encoded but never aggregated (an aborted SecAgg round): the coordinator names the last
+    round whose update it aggregated (`load(at=...)`), and the site goes on from that residual as
+    if the lost round had never been encoded; one older than the newest `keep` starts afresh.
     """
 
     PREFIX = "residual-"
@@ -103,9 +106,13 @@ class ResidualStore:
     def _file(self, rnd: int) -> ArrayFile:
         return ArrayFile(self.dir, f"{self.PREFIX}{rnd}")
 
-    def load(self, before: int) -> Arrays:
-        """The residual kept after the newest round before round `before` ({} when there is
-        none), mapped in place: replacing the file later leaves this mapping valid."""
+    def load(self, before: int, at: int | None = None) -> Arrays:
+        """The residual kept after round `at` (the last round whose update was aggregated; 0: none)
+        or, when `at` is None, after the newest round before round `before`; {} when there is none.
+        Mapped in place: replacing the file later leaves this mapping valid."""
+        if at is not None:
+            found = self._file(at).read() if 0 < at < before else None
+            return found[1] if found is not None else {}
         for rnd in reversed([r for r in self.rounds() if r < before]):
             found = self._file(rnd).read()
             if found is not None:
