@@ -32,6 +32,7 @@ from federation.coordinator.aggregate import ServerOptimizer
 from federation.coordinator.driver import Coordinator
 from federation.protocol.pipeline import Payload, Pipeline, RoundContext
 from federation.coordinator.secagg_round import SecAggRound, round_weights
+from federation.protocol.message_keys import CONFIG
 from federation.protocol.message_keys import SECAGG as RECORD
 from federation.protocol.message_keys import SECAGG_CHUNKS as CHUNKS
 from federation.protocol.message_keys import SECAGG_SETUP as SETUP_RECORD
@@ -519,3 +520,17 @@ def test_a_site_whose_train_failed_sends_its_next_setup_with_the_failure(tmp_pat
     sent = coord.messages_per_site()
     # as a's (discovery, the first setup's query, train and unmask each round) but round 2's unmask
     assert sent["c"] == sent["a"] - 1
+
+
+def test_each_site_is_told_only_its_own_last_aggregated_round(tmp_path):
+    """The round config names the last round whose update from the receiving site is in the global
+    model (its error feedback goes on from there), and no other site's."""
+    coord, _ = make(tmp_path, n=3, secagg={"threshold": 2}, node_config={"c": {"absent-rounds": "1"}})
+    by_name = {s.name: node for node, s in coord.sites.items()}
+
+    def told(rnd: int, name: str) -> list[str]:
+        return list(coord.model_message(rnd, 10.0)(by_name[name])[CONFIG]["aggregated"])
+
+    assert told(1, "a") == ["a:0"]
+    assert coord.run_round(1)["status"] == "aggregated"  # run_round: the line goes into the run's history
+    assert told(2, "a") == ["a:1"] and told(2, "c") == ["c:0"]  # c sat round 1 out

@@ -126,6 +126,7 @@ class Coordinator:
                                        "sealing key is what its evidence binds, the registry holds the sites' keys)")
             self.admission = Admission(self.fed.attestation.coordinator, bundle, self.round_horizon_s())
         self.evaluation = Evaluation(self.fed.deadlines.evaluate_s)
+        self.aggregated: dict[int, list[str]] = {}  # round -> the sites whose updates it aggregated
         self.sites: dict[int, Site] = {}
         self.channel_keys: dict[str, bytes] = {}  # site -> SecAgg channel key told at discovery (no bundle)
         self.rejections: Counter[str] = Counter()
@@ -331,20 +332,21 @@ class Coordinator:
         """The CONFIG record of a stage's messages."""
         return RoundConfig(round=rnd, federation=self.fed.name, update_kind=self.fed.update_kind,
                            seed=self.round_seed(rnd), codec=self.fed.codec, error_feedback=self.fed.error_feedback,
-                           seal=self.fed.seal, evaluate=evaluate, aggregated=self.aggregated_rounds(rnd),
+                           seal=self.fed.seal, evaluate=evaluate,
                            # the site must answer before our deadline, ClientApp start-up (a few seconds) included
                            deadline_s=max(1.0, deadline_s * 0.8 - 2.0))
 
-    def aggregated_rounds(self, rnd: int) -> list[str]:
-        """'site:round' for every configured site: the newest round before `rnd` whose update from
-        it is in the global model (0: none), from the run's history (a resumed run's included)."""
+    def aggregated_rounds(self, rnd: int) -> dict[str, int]:
+        """site -> the newest round before `rnd` whose update from it is in the global model (0:
+        none), from the run's history (a resumed run's included)."""
         last = {s.id: 0 for s in self.cfg.sites}
-        for line in self.history:
-            if line.get("status") == "aggregated" and int(line.get("round", 0)) < rnd:
-                for site in line.get("sites", {}):
-                    if site in last:
-                        last[site] = max(last[site], int(line["round"]))
-        return [f"{site}:{r}" for site, r in sorted(last.items())]
+        done = [(int(line.get("round", 0)), line.get("sites", {})) for line in self.history
+                if line.get("status") == "aggregated"]
+        for r, sites in [*done, *self.aggregated.items()]:  # aggregated: rounds not in the history (yet)
+            for site in sites:
+                if site in last and r < rnd:
+                    last[site] = max(last[site], r)
+        return last
 
     def model_message(self, rnd: int, deadline_s: float, evaluate: bool = False) -> Callable[[int], RecordDict]:
         """The global model (with a downlink codec: the encoded steps from the model each site holds,
@@ -352,8 +354,13 @@ class Coordinator:
         and shared by the messages. `evaluate`: sites evaluate it before training on it."""
         down = self.model if self.downlink.codec is not None else self.wire_copy.of(self.model)
         records = self.downlink.stage(down, self.site_name)
-        config = self.round_config(rnd, deadline_s, evaluate).to_record()
-        return lambda node: RecordDict({**records(node), keys.CONFIG: config})
+        config, last = self.round_config(rnd, deadline_s, evaluate), self.aggregated_rounds(rnd)
+
+        def message(node: int) -> RecordDict:  # each site's config names only its own last aggregated round
+            name = self.known_name(node)
+            own = config.model_copy(update={"aggregated": [f"{name}:{last.get(name, 0)}"]}) if name else config
+            return RecordDict({**records(node), keys.CONFIG: own.to_record()})
+        return message
 
     def round_seed(self, rnd: int) -> int:
         """The public seed of round `rnd` (shared-seed codecs)."""
@@ -559,6 +566,7 @@ class Coordinator:
             self.model = self.opt.step(self.model, out.mean)
             timing.update(optimizer_s=round(time.monotonic() - t1, 4))
             line["status"] = "aggregated"
+            self.aggregated[rnd] = sorted(out.per_site)
         else:
             line["status"] = "skipped"
             self.progress(f"round {rnd}: skipped, {out.count} usable update(s) < quorum {self.fed.quorum}; "

@@ -36,7 +36,8 @@ class RoundConfig(BaseModel):
                            "figures ride back with the update")
     deadline_s: float = Field(300.0, gt=0, description="the site must answer within this (ClientApp start-up included)")
     aggregated: list[str] = Field(default_factory=list, max_length=10_000, description=(
-        "'site:round' for every site: the newest earlier round whose update from that site is in the global "
+        "'site:round' for the site the message goes to (no other site's: who was aggregated when is not "
+        "the other sites' business): the newest earlier round whose update from that site is in the global "
         "model (0: none yet). A site's error feedback goes on from the residual of that round, so an update "
         "that was encoded but never aggregated (an aborted SecAgg round, a skipped or rerun round) leaves no "
         "trace. Empty: not given (the newest residual before this round)"))
