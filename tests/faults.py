@@ -6,6 +6,7 @@ run marker every child of `sovfl` carries (SOVFL_RUN_MARKER) and the pids.json o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -157,6 +158,25 @@ def wait_for_stage(hook_file: Path, rnd: int, stage: str, alive, timeout_s: floa
         if time.monotonic() - t0 > timeout_s:
             raise AssertionError(f"round {rnd} did not enter {stage!r} within {timeout_s:.0f}s")
         time.sleep(0.05)
+
+
+def release_stage(hook_file: Path) -> None:
+    """Let a coordinator paused by SOVFL_TEST_STAGE_PAUSE go on at once."""
+    Path(str(hook_file) + ".release").touch()
+
+
+def wait_site_back(marker: str, site: str, socket: Path, since: float, nnodes: int = 1,
+                   timeout_s: float = 300.0) -> None:
+    """Block until `site`'s trainer pool was started again after `since` (time.time()) and serves:
+    its node 0 wrote `socket`.ready since then and every node has a live rank."""
+    ready = Path(str(socket) + ".ready")
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        with contextlib.suppress(FileNotFoundError):
+            if ready.stat().st_mtime > since and all(site_rank_pids(marker, site, n) for n in range(nnodes)):
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"site {site}'s trainer did not serve again within {timeout_s:.0f}s")
 
 
 def wait_metrics_line(path: Path, n: int, proc: subprocess.Popen, timeout: float) -> list[dict]:

@@ -7,8 +7,9 @@ round's masked input and its unmask), which watching logs from outside cannot la
                                   stage, pid and, in a SecAgg round, the digest of the round's
                                   SecAgg context and of each site's setup (the round's key material);
   SOVFL_TEST_STAGE_PAUSE=<r>:<s>  after announcing the first stage of round r whose name starts with
-                                  s (e.g. "2:secagg stage 4"), it sleeps up to PAUSE_S before going
-                                  on: the test kills it there.
+                                  s (e.g. "2:secagg stage 4"), it waits up to PAUSE_S before going
+                                  on: the test kills it there, or lets it go on at once by creating
+                                  `<file>.release` (a test waiting for a site to come back).
 
 Neither variable is set in production: then `entered` is one environment lookup per stage.
 Used by tests/test_e2e_resume.py (tests/faults.py: wait_for_stage).
@@ -47,4 +48,6 @@ def entered(stage: str, state: object = None, rnd: int | None = None) -> None:
         os.fsync(f.fileno())
     want_round, _, want_stage = os.environ.get(PAUSE, "").partition(":")
     if want_stage and want_round == str(rnd) and stage.startswith(want_stage):
-        time.sleep(PAUSE_S)
+        end = time.monotonic() + PAUSE_S
+        while time.monotonic() < end and not os.path.exists(path + ".release"):
+            time.sleep(0.2)
