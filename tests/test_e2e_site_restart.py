@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,18 +18,18 @@ import pytest
 
 from conftest import ROOT, as_foreground, sovfl_popen, write_config
 from faults import (kill_coordinator, kill_site_rank, kill_supernode, release_stage, site_rank_pids, stage_hook_env,
-                    supernode_pids, wait_gone, wait_rounds, wait_site_back)
+                    supernode_pids, wait_for_stage, wait_gone, wait_rounds, wait_site_back)
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow(seconds=90)]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow(seconds=180)]
 
 ROUNDS = 4  # the last round is held until both sites are back (their restart time varies with load)
 
 
-def _config(directory: Path, rounds: int = ROUNDS) -> Path:
+def _config(directory: Path, rounds: int = ROUNDS, round_s: float = 60) -> Path:
     site = {"ranks": 1, "local_steps": 3, "batch_size": 16, "lr": 0.1, "checkpoint_every": 1}
     return write_config(directory / "site_restart.yaml", {
         "federation": {"name": "siterestart", "rounds": rounds, "quorum": 1, "evaluate": False,
-                       "deadlines": {"connect_s": 90, "round_s": 60, "trainer_start_s": 120},
+                       "deadlines": {"connect_s": 90, "round_s": round_s, "trainer_start_s": 120},
                        "site_restarts": {"max_restarts": 2, "backoff_s": 0.5}},
         "workload": {"task": "digits", "options": {"hidden": 16}},
         "sites": [{"id": name, "partition": i, **site} for i, name in enumerate(("paris", "berlin"))],
@@ -40,24 +41,39 @@ def _cli(*args: str, env: dict) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env, preexec_fn=as_foreground)
 
 
-def test_killed_site_rank_and_supernode_rejoin_by_themselves(tmp_path, marker):
+def _held_run(tmp_path: Path, marker: str, config: Path, pause: str, meanwhile, *args: str) -> tuple[Path, str]:
+    """`sovfl simulate config` whose coordinator is held on entering `pause` ("<round>:<stage>",
+    stage_hook.py) until `meanwhile(run, hook, proc)`, called once round 1 is done, returns; the
+    run directory and the output of the run, which must end with status 0."""
     run, hook = tmp_path / "run", tmp_path / "stages.jsonl"
-    proc = sovfl_popen("simulate", str(_config(tmp_path)), "--workdir", str(run),
-                       env={"SOVFL_RUN_MARKER": marker, **stage_hook_env(hook, pause=f"{ROUNDS}:train")})
+    proc = sovfl_popen("simulate", str(config), *args, "--workdir", str(run),
+                       env={"SOVFL_RUN_MARKER": marker, **stage_hook_env(hook, pause=pause)})
     try:
         wait_rounds(run, [1], proc)
-        rank, node, at = kill_site_rank(marker, "paris"), kill_supernode(marker, "berlin"), time.time()
-        socket = json.loads((run / "sites" / "paris" / "trainer.json").read_text())["socket"]
-        wait_site_back(marker, "paris", Path(socket), at)
-        end = time.monotonic() + 300
-        while not [p for p in supernode_pids(marker, "berlin") if p != node] and time.monotonic() < end:
-            time.sleep(0.2)
+        meanwhile(run, hook, proc)
         release_stage(hook)
         out, _ = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, out
+    return run, out
+
+
+def test_killed_site_rank_and_supernode_rejoin_by_themselves(tmp_path, marker):
+    killed = {}
+
+    def kill_and_wait(run: Path, hook: Path, proc: subprocess.Popen) -> None:
+        killed.update(rank=kill_site_rank(marker, "paris"), node=kill_supernode(marker, "berlin"))
+        at = time.time()
+        socket = json.loads((run / "sites" / "paris" / "trainer.json").read_text())["socket"]
+        wait_site_back(marker, "paris", Path(socket), at)
+        end = time.monotonic() + 300
+        while not [p for p in supernode_pids(marker, "berlin") if p != killed["node"]] and time.monotonic() < end:
+            time.sleep(0.2)
+
+    run, out = _held_run(tmp_path, marker, _config(tmp_path), f"{ROUNDS}:train", kill_and_wait)
+    rank, node = killed["rank"], killed["node"]
     assert "site paris: trainer restarted" in out and "site berlin: SuperNode restarted" in out, out
     assert "deactivated at the SuperLink with the site's key" in out, out  # no 60 s wait for its heartbeat
     assert rank not in site_rank_pids(marker, "paris") and node not in supernode_pids(marker, "berlin")
@@ -77,6 +93,33 @@ def test_killed_site_rank_and_supernode_rejoin_by_themselves(tmp_path, marker):
     assert set(lines[-1]["sites"]) == {"paris", "berlin"} and lines[-1]["status"] == "aggregated"
     result = json.loads((run / "result.json").read_text())
     assert result["status"] == "ok" and result["rounds"] == ROUNDS
+    assert wait_gone(marker) == []
+
+
+def test_insecure_supernode_back_under_a_new_node_id(tmp_path, marker):
+    """Under --insecure a restarted SuperNode has a new random key, hence a new node id. The
+    coordinator asks that node who it is before the next round, keeps its claim on berlin while the
+    old node is still online at the SuperLink (up to NODE_HOLD_S after its last heartbeat) and gives
+    it berlin once the old node is offline: berlin trains in the last round. Round 3 is held until
+    then, so the rounds do not run out first."""
+    from federation.ops.site_supervisor import NODE_HOLD_S
+
+    killed = {}
+
+    def kill_and_wait(run: Path, hook: Path, proc: subprocess.Popen) -> None:
+        killed["node"], at = kill_supernode(marker, "berlin"), time.monotonic()
+        wait_for_stage(hook, 3, "train", lambda: proc.poll() is None)
+        time.sleep(max(0.0, at + NODE_HOLD_S + 2 - time.monotonic()))  # the old node's heartbeat has expired
+
+    run, out = _held_run(tmp_path, marker, _config(tmp_path, rounds=4, round_s=20), "3:train", kill_and_wait,
+                         "--insecure")
+    assert "site berlin: SuperNode restarted" in out and killed["node"] not in supernode_pids(marker, "berlin"), out
+    back = re.search(r"site berlin is back as node (\d+) \(its node (\d+) is offline\)", out)
+    assert back is not None and back[1] != back[2], out
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [x["round"] for x in lines] == [1, 2, 3, 4]
+    assert set(lines[0]["sites"]) == set(lines[-1]["sites"]) == {"paris", "berlin"}, [x["failed"] for x in lines]
+    assert any("berlin" not in x["sites"] for x in lines[1:3])  # rounds after the kill went on without it
     assert wait_gone(marker) == []
 
 

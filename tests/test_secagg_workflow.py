@@ -32,7 +32,7 @@ from federation.coordinator.aggregate import ServerOptimizer
 from federation.coordinator.driver import Coordinator
 from federation.protocol.pipeline import Payload, Pipeline, RoundContext
 from federation.coordinator.secagg_round import SecAggRound, round_weights
-from federation.protocol.message_keys import CONFIG
+from federation.protocol.message_keys import CONFIG, DISCOVER
 from federation.protocol.message_keys import SECAGG as RECORD
 from federation.protocol.message_keys import SECAGG_CHUNKS as CHUNKS
 from federation.protocol.message_keys import SECAGG_SETUP as SETUP_RECORD
@@ -77,8 +77,10 @@ class FakeSite(InProcessSite):
         self.num_examples = num_examples
         self.silent: set[tuple[int, int]] = set()  # (round, stage) without any reply: vanished / hung
         self.tamper = None  # (stage, round, reply Message) -> reply Message
+        self.discoveries = 0  # discovery queries received
 
     def handle(self, msg: Message) -> Message | None:
+        self.discoveries += DISCOVER in msg.content.config_records
         parts = secagg_parts(msg)
         if any((rnd, stage) in self.silent for stage, rnd in parts):
             return None
@@ -122,15 +124,17 @@ class FakeGrid:
 
 def make(tmp_path: Path, n: int = 5, secagg: dict | None = None, codec: str = "identity",
          node_config: dict[str, dict] | None = None, examples: list[int] | None = None,
-         strategy: str = "fedavg", pki: Path | None = None) -> tuple[Coordinator, FakeGrid]:
+         strategy: str = "fedavg", pki: Path | None = None, late: tuple[str, ...] = (),
+         progress=None) -> tuple[Coordinator, FakeGrid]:
     """Coordinator and sites "a", "b", ...; with `pki` (provisioned for those names) sites sign with
-    their bundles and the coordinator verifies with its own."""
+    their bundles and the coordinator verifies with its own. Sites in `late` are not connected at
+    discovery: they wait in `grid.later` (site name -> FakeSite)."""
     names = [chr(ord("a") + i) for i in range(n)]
     if pki is not None:
         node_config = {s: {"bundle-dir": str(pki / "sites" / s), **(node_config or {}).get(s, {})} for s in names}
     cfg = parse_config({
         "federation": {"name": "unit", "rounds": 6, "quorum": 2, "codec": codec, "evaluate": False, "strategy": strategy,
-                       "deadlines": {"round_s": 1.0, "secagg_stage_s": 0.6, "connect_s": 5},
+                       "deadlines": {"round_s": 1.0, "secagg_stage_s": 0.6, "connect_s": 1 if late else 5},
                        "secagg": {"enabled": True, "threshold": 3, "neighbours": n - 1, "clip": 0.5, "bits": 32,
                                   **(secagg or {})}},
         "sites": [{"id": s, "partition": i} for i, s in enumerate(names)],
@@ -138,10 +142,11 @@ def make(tmp_path: Path, n: int = 5, secagg: dict | None = None, codec: str = "i
     examples = examples or [100 + 10 * i for i in range(n)]
     sites = [FakeSite(s, (2**63 + 1000 + 17 * i), examples[i], tmp_path / "sites", (node_config or {}).get(s))
              for i, s in enumerate(names)]
-    grid = FakeGrid(sites)
+    grid = FakeGrid([s for s in sites if s.name not in late])
+    grid.later = {s.name: s for s in sites if s.name in late}
     initial = {k: np.zeros(s, dtype=np.float32) for k, s in SHAPES.items()}
     bundle = CoordinatorBundle.load(pki / "coordinator") if pki is not None else None
-    coord = Coordinator(grid, cfg, tmp_path / "coord", RUN_ID, initial, lambda line: None, bundle)
+    coord = Coordinator(grid, cfg, tmp_path / "coord", RUN_ID, initial, progress or (lambda line: None), bundle)
     assert isinstance(coord.protocol, SecAggRound)
     coord.wait_for_sites()
     return coord, grid
@@ -534,3 +539,37 @@ def test_each_site_is_told_only_its_own_last_aggregated_round(tmp_path):
     assert told(1, "a") == ["a:0"]
     assert coord.run_round(1)["status"] == "aggregated"  # run_round: the line goes into the run's history
     assert told(2, "a") == ["a:1"] and told(2, "c") == ["c:0"]  # c sat round 1 out
+
+
+def test_a_late_site_and_a_site_back_under_a_new_node_id_join_without_a_manual_step(tmp_path):
+    """Sites are discovered once at the start, but nodes that connect later are asked who they are
+    before the next round: e, started after discovery, joins; b's SuperNode restarted under a new
+    node id (no provisioned key: flwr gives it another id) gets b back once its old node is gone.
+    While the old node is still online, b stays with it; the new node's claim is kept and taken once
+    the old node is offline, without asking again."""
+    said: list[str] = []
+    coord, grid = make(tmp_path, secagg={"threshold": 2}, late=("e",), progress=said.append)
+    r1 = coord.train_round(1)
+    assert r1["failed"]["e"].startswith("not connected") and r1["secagg"]["contributors"] == list("abcd")
+    e = grid.later.pop("e")
+    grid.sites[e.node_id] = e
+    r2 = coord.train_round(2)  # e is discovered now; round 2's plan (made in round 1) had no key for it
+    assert coord.node_of("e") == e.node_id and "e" in r2["failed"] and r2["status"] == "aggregated"
+    assert r2["timing"]["stages"][0]["stage"] == "discovery before round 2"
+    r3 = coord.train_round(3)
+    assert r3["secagg"]["contributors"] == list("abcde") and not r3["failed"], r3["failed"]
+
+    old_b = coord.node_of("b")
+    new_b = FakeSite("b", old_b + 1, 999, tmp_path / "sites")  # the same site, a new SuperNode (new id)
+    grid.sites[new_b.node_id] = new_b
+    r4 = coord.train_round(4)  # the old node is still online: the claim is refused, b goes on as before
+    assert coord.node_of("b") == old_b and r4["secagg"]["contributors"] == list("abcde")
+    assert any(f"site 'b' already answered from node {old_b}" in x for x in said)
+    del grid.sites[old_b]  # the old SuperNode is gone (the SuperLink lists it no more)
+    asked = new_b.discoveries
+    r5 = coord.train_round(5)
+    assert coord.node_of("b") == new_b.node_id and coord.sites[new_b.node_id].num_examples == 999
+    assert any(f"site b is back as node {new_b.node_id} (its node {old_b} is offline)" in x for x in said)
+    assert asked == 1 and new_b.discoveries == 1  # asked once: its kept claim was taken
+    r6 = coord.train_round(6)
+    assert r6["secagg"]["contributors"] == list("abcde") and not r6["failed"], (r5["failed"], r6["failed"])

@@ -72,6 +72,7 @@ __all__ = ["Coordinator", "FederationFailed", "Site"]
 
 log = logging.getLogger("sovfl.coordinator")
 O = TypeVar("O")
+LATE_TRIES = 3  # discovery queries to a node that connected late and does not answer
 
 
 class FederationFailed(RuntimeError):
@@ -128,6 +129,9 @@ class Coordinator:
         self.evaluation = Evaluation(self.fed.deadlines.evaluate_s)
         self.aggregated: dict[int, list[str]] = {}  # round -> the sites whose updates it aggregated
         self.sites: dict[int, Site] = {}
+        self.discovered: set[int] = set()  # nodes that answered a discovery (not asked again)
+        self.late_tries: Counter[int] = Counter()  # discovery queries to nodes that connected late
+        self.claims: dict[int, tuple[str, ConfigRecord]] = {}  # node -> a site another online node holds
         self.channel_keys: dict[str, bytes] = {}  # site -> SecAgg channel key told at discovery (no bundle)
         self.rejections: Counter[str] = Counter()
         self.downlink = DownlinkSender(self.fed.downlink_codec, self.fed.seed)
@@ -458,41 +462,85 @@ class Coordinator:
         if self.secagg is not None and self.secagg.registered_channel_keys():
             self.secagg.plan(1, self.run_id, first, self.secagg.registered_channel_keys())
             riders.append(self.secagg.setup_rider(1, self.known_name, lambda: nodes))
-        discover = ConfigRecord({"secagg": self.secagg is not None})
-        self.riders = riders
-        try:
-            res = self.exchange(Exchange("discovery", "query", nodes, lambda n: RecordDict(
-                {keys.CONFIG: ConfigRecord({}), keys.DISCOVER: discover}), self.fed.deadlines.connect_s))
-        finally:
-            self.riders = []
-        known = {s.id for s in self.cfg.sites}
-        for reply in res.replies:
-            node = reply.message.metadata.src_node_id
-            try:
-                site, examples = site_name(reply.status), num_examples(reply.status)
-            except StatusError as err:
-                self.progress(f"ignoring node {node}: its discovery reply is malformed ({err.detail})")
-                continue
-            if site not in known:
-                self.progress(f"ignoring node {node}: site '{site}' is not in the configuration")
-                continue
-            if self.node_of(site) is not None:
-                self.progress(f"ignoring node {node}: site '{site}' already answered from node {self.node_of(site)}")
-                continue
-            if not self.base_check.admit(site, reply.status, self.rejections, self.progress):
-                continue
-            self.sites[node] = Site(node, site, examples)
-            pk = reply.status.get("secagg_channel_pk")
-            if isinstance(pk, bytes) and len(pk) == 32:
-                self.channel_keys[site] = pk
-        for name, reason in res.failed.items():
-            self.progress(f"site discovery: {name} failed: {reason}")
+        self.enrol(self.discovery(nodes, riders, self.fed.deadlines.connect_s, "discovery"))
         if len(self.sites) < self.fed.quorum:
             raise FederationFailed(
                 f"only {len(self.sites)} site(s) ready ({sorted(s.name for s in self.sites.values())}) "
                 f"within {self.fed.deadlines.connect_s:.0f}s; quorum is {self.fed.quorum}{self.base_check.summary()}"
             )
         self.progress("sites: " + ", ".join(f"{s.name} ({s.num_examples} examples)" for s in self.sites.values()))
+
+    def discovery(self, nodes: list[int], riders: list[Rider], deadline_s: float, stage: str) -> ExchangeResult:
+        """Ask `nodes` who they are (site name, examples, base manifest, channel key), `riders` aboard."""
+        discover = ConfigRecord({"secagg": self.secagg is not None})
+        self.riders = riders
+        try:
+            return self.exchange(Exchange(stage, "query", nodes, lambda n: RecordDict(
+                {keys.CONFIG: ConfigRecord({}), keys.DISCOVER: discover}), deadline_s))
+        finally:
+            self.riders = []
+
+    def enrol(self, res: ExchangeResult, online: set[int] | None = None) -> None:
+        """Take the sites that answered a discovery (`claim`), `online` the nodes the SuperLink lists now."""
+        for reply in res.replies:
+            self.claim(reply.message.metadata.src_node_id, reply.status, online)
+        for name, reason in res.failed.items():
+            self.progress(f"site discovery: {name} failed: {reason}")
+
+    def claim(self, node: int, status: ConfigRecord, online: set[int] | None) -> None:
+        """`node` says it is the site in `status`. A site name held by another node that is still
+        `online` (None: always, the first discovery) stays with that node and the claim is kept: it is
+        taken once that node is gone, which is how a SuperNode restarted under a new node id (no
+        provisioned key) gets its site back without being asked again."""
+        self.discovered.add(node)
+        try:
+            site, examples = site_name(status), num_examples(status)
+        except StatusError as err:
+            self.progress(f"ignoring node {node}: its discovery reply is malformed ({err.detail})")
+            return
+        if site not in {s.id for s in self.cfg.sites}:
+            self.progress(f"ignoring node {node}: site '{site}' is not in the configuration")
+            return
+        old = self.node_of(site)
+        if old is not None and (online is None or old in online):
+            if node not in self.claims:
+                self.progress(f"ignoring node {node}: site '{site}' already answered from node {old} "
+                              "(taken over if that node goes offline)")
+            self.claims[node] = (site, status)
+            return
+        self.claims.pop(node, None)
+        if not self.base_check.admit(site, status, self.rejections, self.progress):
+            return
+        if old is not None:
+            del self.sites[old]
+            self.progress(f"site {site} is back as node {node} (its node {old} is offline)")
+        self.sites[node] = Site(node, site, examples)
+        pk = status.get("secagg_channel_pk")
+        if isinstance(pk, bytes) and len(pk) == 32:
+            self.channel_keys[site] = pk
+
+    def discover_late(self, rnd: int) -> ExchangeResult | None:
+        """Before round `rnd`: nodes that connected since discovery (a site started late, or a
+        SuperNode restarted under a new node id) are asked who they are and join from this round
+        (`prepare` asks their SecAgg setup and evidence); a kept claim on a site whose node has
+        gone offline is taken. A node is asked until it answers, at most LATE_TRIES times."""
+        if self.grid is None:
+            return None
+        online = set(self.grid.get_node_ids())
+        for node, (site, status) in list(self.claims.items()):
+            if node not in online:
+                del self.claims[node]
+            elif self.node_of(site) not in online:
+                self.claim(node, status, online)
+        new = sorted(n for n in online - set(self.sites) - self.discovered if self.late_tries[n] < LATE_TRIES)
+        if not new:
+            return None
+        self.late_tries.update(new)
+        self.progress(f"round {rnd}: {len(new)} node(s) connected since discovery; asking who they are")
+        res = self.discovery(new, [], min(self.fed.deadlines.connect_s, self.fed.deadlines.round_s),
+                             f"discovery before round {rnd}")
+        self.enrol(res, online)
+        return res
 
     def sample(self, rnd: int) -> list[str]:
         """The sites of round `rnd`: `sites_per_round` of the configured sites (all if unset), drawn
@@ -517,11 +565,14 @@ class Coordinator:
         checkpoint; the round's metrics line (without downlink figures)."""
         t0 = time.monotonic()
         names = self.sample(rnd)
+        timing: dict = {"stages": []}
+        late = self.discover_late(rnd)
+        if late is not None:
+            timing["stages"].append(stage_timing(f"discovery before round {rnd}", late))
         nodes = [n for n in (self.node_of(name) for name in names) if n is not None]
         self.settle(nodes)
         absent = {name: "not connected: no node answered discovery as this site" for name in names
                   if self.node_of(name) is None}
-        timing: dict = {"stages": []}
         prep = self.prepare(rnd, nodes)
         if prep is not None:
             timing["stages"].append(stage_timing(f"prepare round {rnd}", prep))
