@@ -98,8 +98,11 @@ def wait_for_rendezvous(site: SiteConfig, deadline_s: float) -> None:
 # either: two agents restarting on their own were seen to start ranks of different generations that
 # never connect.) So every start of node 0's pool gets a fresh id, which node 0 publishes in the
 # store its torchrun agent hosts at the rendezvous endpoint, and a node >= 1 reads it there before
-# each start of its own torchrun. A node that read the id of a pool that is going down fails to
-# join, and its supervisor starts it again after a back-off: it then reads the new id.
+# each start of its own torchrun. A rank that dies fails every other rank's collectives, so all
+# nodes' pools go down together and a node >= 1 waits for an id other than the one its last pool
+# used: read too early, it would get the old id from node 0's agent that is still going down, and
+# wait in a rendezvous that node 0's new pool never enters (seen under load on CI: both new pools
+# waited for each other until the test gave up).
 
 RDZV_ID_KEY = "sovfl/rdzv-id"
 
@@ -125,9 +128,25 @@ def publish_rdzv_id(site: SiteConfig, rdzv_id: str, timeout_s: float) -> None:
     _endpoint_store(site, timeout_s).set(RDZV_ID_KEY, rdzv_id)
 
 
-def read_rdzv_id(site: SiteConfig, timeout_s: float) -> str:
-    """Node >= 1: the rendezvous id node 0's running pool uses (waits up to `timeout_s`)."""
-    return _endpoint_store(site, timeout_s).get(RDZV_ID_KEY).decode()
+def read_rdzv_id(site: SiteConfig, timeout_s: float, not_id: str | None = None) -> str:
+    """Node >= 1: the rendezvous id node 0's running pool uses, waiting up to `timeout_s` for one
+    other than `not_id` (the id of this node's last pool, which went down with node 0's). Past
+    that, the id published then (node 0's pool may be waiting in it); raises if there is none."""
+    end = time.monotonic() + timeout_s
+    seen, last_err = None, None
+    while True:
+        left = end - time.monotonic()
+        try:  # node 0's store is down between its agents: connect again each time
+            seen = _endpoint_store(site, max(1.0, min(5.0, left))).get(RDZV_ID_KEY).decode()
+            if seen != not_id:
+                return seen
+        except Exception as err:  # noqa: BLE001 - torch's store errors (refused, timed out)
+            last_err = err
+        if left <= 0:
+            if seen is not None:
+                return seen
+            raise RuntimeError(f"no rendezvous id in node 0's store at {site.rdzv_endpoint}: {last_err}")
+        time.sleep(0.5)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -166,7 +166,7 @@ def _site_node(args: argparse.Namespace, cfg, site) -> int:
     try:
         guard = launcher.site_guard(sup, cfg, print)  # restarts what dies (site_supervisor.py)
         trainer = guard.watch_trainer(f"{site.id} node {args.node_rank}",
-                                      partial(_start_node_pool, sup, site, cfg, args.node_rank, deadline), "")
+                                      partial(_start_node_pool, sup, site, cfg, args.node_rank, deadline, {}), "")
         print(f"site {site.id} node {args.node_rank}: {site.ranks} rank(s) joining the rendezvous at "
               f"{site.rdzv_endpoint}; Ctrl-C to stop (log: {trainer.log})")
         return site_supervisor.keep_running(guard)
@@ -188,11 +188,12 @@ def _start_node0_pool(sup, site, cfg, sock: str, start_s: float):
     return proc
 
 
-def _start_node_pool(sup, site, cfg, node_rank: int, deadline: float):
-    """Node >= 1's pool, in the rendezvous node 0's running pool published."""
+def _start_node_pool(sup, site, cfg, node_rank: int, deadline: float, last: dict):
+    """Node >= 1's pool, in the rendezvous node 0's running pool published: after the first start,
+    one other than `last["id"]`, the id of this node's last pool (read_rdzv_id)."""
     try:
         wait_for_rendezvous(site, deadline)
-        rdzv_id = read_rdzv_id(site, deadline)
+        rdzv_id = last["id"] = read_rdzv_id(site, deadline, not_id=last.get("id"))
     except RendezvousUnreachable as err:
         raise launcher.LaunchError(str(err)) from None
     except Exception as err:  # noqa: BLE001 - torch's store errors
