@@ -86,6 +86,24 @@ def find_latest(workdir: str | Path) -> Path | None:
     return Path(found[0]) if found[0] else None
 
 
+def find_before(workdir: str | Path, round_no: int) -> Path | None:
+    """Collective: the newest complete checkpoint of a round before `round_no` (the state a round
+    trained again starts from), shared with every rank; None when there is none."""
+    found: list = [None]
+    if dist.get_rank() == 0:
+        best: tuple[int, str] | None = None
+        for path in _root(workdir).glob("round_*"):
+            try:
+                rnd = int(json.loads((path / "meta.json").read_text())["round"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # incomplete (no meta.json yet) or damaged
+            if rnd < round_no and (best is None or (rnd, path.name) > best):
+                best = (rnd, path.name)
+        found[0] = str(_root(workdir) / best[1]) if best else None
+    dist.broadcast_object_list(found, src=0)
+    return Path(found[0]) if found[0] else None
+
+
 def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, parallelism: str
          ) -> tuple[int, dict] | None:
     """Collective: restore model and optimizer in place (resharded if the layout changed); return

@@ -254,6 +254,7 @@ class Session:
         self.commands: queue.Queue = queue.Queue()
         self.last_files: list[str | None] = []
         self.ckpt_due: int | None = None  # rank 0: the round the next local checkpoint covers
+        self.trained_round = 0  # the newest round trained (a local checkpoint's round after a resume)
         self._current: _Request | None = None
         if config.site.checkpoint_every:
             self.resume()
@@ -500,8 +501,12 @@ class Session:
         return fut.result(timeout=0) if fut is not None else {}
 
     def _begin(self, req: _Request, kind: str) -> Round | None:
-        """Collective: load the global model; None (the request answered) when it is refused."""
+        """Collective: load the global model; None (the request answered) when it is refused. A
+        round trained again (the coordinator resumed and reruns the round in flight) first rewinds
+        the local state to before it (`rewind`)."""
         t0 = time.perf_counter()
+        if kind == "train":
+            self.rewind(int(req.request.get("round", 0)))
         refused = self.load(req.reader)
         if refused:
             if self.rank == 0:
@@ -582,6 +587,7 @@ class Session:
         t1 = time.perf_counter()
         handle, digests = self._pack_update(req, str(rnd.config.get("update_kind", "delta")), rnd.number)
         self.rounds_reported += 1
+        self.trained_round = rnd.number
         if self.rank != 0:
             return
         self.num_examples = count
@@ -641,17 +647,44 @@ class Session:
         path = local_checkpoint.find_latest(self.config.workdir)
         if path is None:
             return None
-        saved = local_checkpoint.load(path, self.model, self.optimizer, self.config.site.parallelism)
-        round_no = -1
-        if saved is not None:
-            round_no, extras = saved
-            torch.set_rng_state(extras["torch_rng"])
-            self.rounds_reported = int(extras["rounds_reported"])
-            if self.state is not None:
-                self.state.load_state_dict(extras["user"])
+        round_no = self._restore(path)
+        self.trained_round = max(round_no, 0)
         if self.rank == 0:
             log.info("site %s: resumed from local checkpoint %s (round %d: model, optimizer, RNG)", self.site, path,
                      round_no)
+        return round_no
+
+    def rewind(self, round_no: int) -> None:
+        """Collective: before training `round_no` again (it is not after the newest round trained),
+        restore the local checkpoint of the round before it: the optimizer's state (AdamW moments,
+        step count), the RNG and the loop's state then are what the first attempt started from, so
+        the rerun sends what that attempt sent. Exact with `checkpoint_every: 1` (and
+        `checkpoint_keep` >= 2); without such a checkpoint the state goes on, as it does in SGD."""
+        if round_no <= 0 or round_no > self.trained_round or not self.config.site.checkpoint_every:
+            return
+        path = local_checkpoint.find_before(self.config.workdir, round_no)
+        if path is None:
+            if self.rank == 0:
+                log.warning("site %s: round %d is trained again, but no local checkpoint of an earlier round is "
+                            "left: the local optimizer state goes on from round %d", self.site, round_no,
+                            self.trained_round)
+            return
+        restored = self._restore(path)
+        if self.rank == 0:
+            log.info("site %s: round %d is trained again (the coordinator resumed): local state of round %d "
+                     "restored from %s", self.site, round_no, restored, path)
+
+    def _restore(self, path: Path) -> int:
+        """Collective: model, optimizer, RNG and loop state from the local checkpoint at `path`; its
+        round (-1: another world size, model and optimizer only)."""
+        saved = local_checkpoint.load(path, self.model, self.optimizer, self.config.site.parallelism)
+        if saved is None:
+            return -1
+        round_no, extras = saved
+        torch.set_rng_state(extras["torch_rng"])
+        self.rounds_reported = int(extras["rounds_reported"])
+        if self.state is not None:
+            self.state.load_state_dict(extras["user"])
         return round_no
 
 

@@ -99,6 +99,17 @@ def test_resume_from_local_checkpoint_continues_bit_identically(results, strateg
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3"])
+def test_a_round_trained_again_starts_from_the_local_state_before_it(results, strategy):
+    """The coordinator resumed and sends round 2 again: the site rewinds its AdamW moments and step
+    count, RNG and sampling state to its local checkpoint of round 1 (Session.rewind), so the rerun
+    trains to the very weights of the first attempt (without the rewind AdamW takes steps 5-6 with
+    the moments of steps 1-4 and the weights differ)."""
+    first, again = results(f"rerun-first-{strategy}"), results(f"rerun-again-{strategy}")
+    for k in first:
+        np.testing.assert_array_equal(first[k], again[k])
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3"])
 def test_lr_schedule_and_weight_decay_survive_a_local_checkpoint(results, strategy):
     ref, resumed = results(f"sched-uninterrupted-{strategy}"), results(f"sched-resumed-{strategy}")
     for k in ref:

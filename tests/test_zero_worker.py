@@ -13,6 +13,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from site_trainer import handoff
 from site_trainer.config import SiteConfig, TrainerConfig, WorkloadConfig
 from site_trainer.local_trainer import LocalTrainer
 from site_trainer.workloads import initial_weights
@@ -38,6 +39,20 @@ def fixed_batches(t: LocalTrainer, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 + t.rank)
     pick = t.train_idx[torch.randint(len(t.train_idx), (n,), generator=g)]
     return t.data.train.take(pick)
+
+
+def served_round(t: LocalTrainer, rnd: int) -> None:
+    """Collective: a Train request of round `rnd` on the initial weights, as the endpoint serves it."""
+    h = handoff.write_arrays(initial_weights(DIGITS, 0), f"rerun-{rnd}") if t.rank == 0 else None
+    request = {"round": rnd, "config": {}, **({"global": h.to_json()} if h else {})}
+    try:
+        reply = t.run_request("Train", request)
+        assert t.rank != 0 or reply["ok"], reply
+        if reply:
+            handoff.release(reply["update"]["path"])
+    finally:
+        if h is not None:
+            handoff.release(h.path)
 
 
 def main(out_path: str, workdir: str) -> None:
@@ -99,6 +114,14 @@ def main(out_path: str, workdir: str) -> None:
         t.train(2)
         keep(f"sched-resumed-{strategy}", t)
         out[f"sched-lr-{strategy}"] = np.array(lrs + [t.optimizer.param_groups[0]["lr"]])
+        # a round trained again (the coordinator resumed): through the session's request path, local
+        # checkpoints after each round as the served loop writes them; the rerun rewinds to round 1's
+        t = trainer(DIGITS, strategy, f"{ckpt_dir}-rerun", optimizer="adamw", lr=1e-2, local_steps=2, checkpoint_every=1)
+        for case, rnd in (("", 1), ("rerun-first", 2), ("rerun-again", 2)):
+            served_round(t, rnd)
+            t.save_checkpoint(rnd)
+            if case:
+                keep(f"{case}-{strategy}", t)
     if dist.get_rank() == 0:
         np.savez(out_path, **out)
     leave()  # group_exit.py

@@ -342,11 +342,9 @@ class Coordinator:
 
     def aggregated_rounds(self, rnd: int) -> dict[str, int]:
         """site -> the newest round before `rnd` whose update from it is in the global model (0:
-        none), from the run's history (a resumed run's included)."""
+        none); a resume restores `aggregated` from the checkpoint's history."""
         last = {s.id: 0 for s in self.cfg.sites}
-        done = [(int(line.get("round", 0)), line.get("sites", {})) for line in self.history
-                if line.get("status") == "aggregated"]
-        for r, sites in [*done, *self.aggregated.items()]:  # aggregated: rounds not in the history (yet)
+        for r, sites in self.aggregated.items():
             for site in sites:
                 if site in last and r < rnd:
                     last[site] = max(last[site], r)

@@ -185,6 +185,8 @@ def restore(coord: "Coordinator", ckpt: Checkpoint) -> None:
     _restore_downlink(coord, ckpt.arrays.get("downlink", {}), st.get("downlink", {}))
     coord.rejections = Counter(st.get("rejections", {}))
     coord.history = list(st.get("metrics", []))
+    coord.aggregated = {int(line["round"]): sorted(line.get("sites", {})) for line in coord.history
+                        if line.get("status") == "aggregated"}  # error feedback goes on from these rounds
     coord.start_round = ckpt.round + 1
     dropped = write_metrics(coord.metrics_path, coord.history)
     if dropped:
