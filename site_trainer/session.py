@@ -659,15 +659,16 @@ class Session:
         restore the local checkpoint of the round before it: the optimizer's state (AdamW moments,
         step count), the RNG and the loop's state then are what the first attempt started from, so
         the rerun sends what that attempt sent. Exact with `checkpoint_every: 1` (and
-        `checkpoint_keep` >= 2); without such a checkpoint the state goes on, as it does in SGD."""
-        if round_no <= 0 or round_no > self.trained_round or not self.config.site.checkpoint_every:
+        `checkpoint_keep` >= 2); without one the state goes on from the dead attempt, with a warning
+        (no difference for plain SGD, which keeps none)."""
+        if round_no <= 0 or round_no > self.trained_round:
             return
-        path = local_checkpoint.find_before(self.config.workdir, round_no)
+        path = local_checkpoint.find_before(self.config.workdir, round_no) if self.config.site.checkpoint_every else None
         if path is None:
             if self.rank == 0:
                 log.warning("site %s: round %d is trained again, but no local checkpoint of an earlier round is "
-                            "left: the local optimizer state goes on from round %d", self.site, round_no,
-                            self.trained_round)
+                            "there (checkpoint_every: 1 keeps one): the local optimizer state goes on from round %d",
+                            self.site, round_no, self.trained_round)
             return
         restored = self._restore(path)
         if self.rank == 0:
