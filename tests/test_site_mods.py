@@ -186,6 +186,27 @@ def test_an_update_encoded_but_never_aggregated_leaves_no_trace_in_the_residual(
     assert store.residual.load(before=3, at=0) == {} and store.residual.load(before=3, at=7) == {}
 
 
+def test_the_last_aggregated_residual_outlives_any_run_of_lost_rounds(service):
+    """Round 1 aggregated, then rounds 2-5 encoded and lost (aborted, or the site's reply came too
+    late): round 6 is still encoded from round 1's residual, though the store keeps only the newest
+    3 others (make soak found madrid, lost for 3 rounds, encoding its 4th from nothing)."""
+    app, seeded = build_client_app(), {"codec-site-seed": "5"}
+    store = SiteStore(service.workdir)
+    run(app, new_context(service, **seeded), 1, ["a:0"])
+    after_1 = {k: np.array(v) for k, v in store.residual.load(before=2).items()}
+    for rnd in (2, 3, 4, 5):
+        run(app, new_context(service, **seeded), rnd, ["a:1"])
+    assert store.residual.rounds() == [1, 3, 4, 5]
+    reply, _ = run(app, new_context(service, **seeded), 6, ["a:1"])
+    assert reply.content.metric_records[keys.METRICS]["state_arrays_in"] == len(SHAPES)
+    sent = {k: np.array(v) for k, v in from_records(reply.content, keys.UPDATE, keys.UPDATE_META).arrays.items()}
+    cfg = RoundConfig(round=6, federation="f", codec=CODEC, error_feedback=True, seed=99, deadline_s=20)
+    want, _, _ = encode_update(update_for(6), after_1, cfg, RoundContext("f", 7, 6, "a", 99), site_seed=5)
+    assert all(np.array_equal(sent[k], np.asarray(want.arrays[k])) for k in sent)
+    run(app, new_context(service, **seeded), 7, ["a:6"])  # round 6 aggregated: round 1's may go now
+    assert store.residual.rounds() == [5, 6, 7]
+
+
 def test_in_process_federation_runs_the_real_round_with_the_mods(tmp_path):
     """Two simulated sites with a codec: the coordinator's PlainRound decodes what their mods encoded,
     and each site's residual store fills (benchmarks/_fedsim.py runs the same at scale)."""

@@ -48,13 +48,13 @@ def codec_mod(msg: Message, context: Context, call_next) -> Message:
     if cfg.codec == "identity":
         metrics["state_arrays_in"] = 0.0
         return reply
-    residual = env.store.residual.load(before=cfg.round, at=cfg.aggregated_round(env.site)) \
-        if cfg.error_feedback else {}
+    base = cfg.aggregated_round(env.site)  # the last round whose update from us was aggregated
+    residual = env.store.residual.load(before=cfg.round, at=base) if cfg.error_feedback else {}
     payload, new_state, figures = encode_update(update_of(reply).arrays, residual, cfg, env.round_context(),
                                                 site_seed=rounding_seed(context))
     if new_state is not None:
         try:
-            env.store.residual.save(new_state, cfg.round)
+            env.store.residual.save(new_state, cfg.round, protect=base)
         except OSError as err:
             return fail(msg, env.site, f"could not keep the codec state for the next round: {err}")
     set_update(reply, payload)

@@ -86,7 +86,9 @@ class ResidualStore:
     fallback when the newest checkpoint is corrupt), so 3 is enough. The same holds for an update
     that was encoded but never aggregated (an aborted SecAgg round): the coordinator names the last
     round whose update it aggregated (`load(at=...)`), and the site goes on from that residual as
-    if the lost round had never been encoded; one older than the newest `keep` starts afresh.
+    if the lost round had never been encoded. That round's residual is kept however many rounds
+    since were encoded and lost (`save(protect=...)`; make soak found a site whose updates were
+    lost for 3 rounds running encode the 4th from nothing).
     """
 
     PREFIX = "residual-"
@@ -119,13 +121,15 @@ class ResidualStore:
                 return found[1]
         return {}
 
-    def save(self, arrays: Arrays, rnd: int) -> None:
+    def save(self, arrays: Arrays, rnd: int, protect: int | None = None) -> None:
         """Keep `arrays` (the residual after round `rnd`); forget later rounds and all but the
-        newest `keep`."""
+        newest `keep`, except round `protect` (the last round aggregated, which the next round
+        starts from if this one is lost)."""
         self._file(rnd).write(arrays, round=rnd)
         kept = self.rounds()
         for old in [r for r in kept if r > rnd] + [r for r in kept if r <= rnd][:-self.keep]:
-            self._drop(old)
+            if old != protect:
+                self._drop(old)
 
     def _drop(self, rnd: int) -> None:
         file = self._file(rnd)
