@@ -12,7 +12,8 @@ round's masked input and its unmask), which watching logs from outside cannot la
                                   `<file>.release` (a test waiting for a site to come back).
 
 Neither variable is set in production: then `entered` is one environment lookup per stage.
-Used by tests/test_e2e_resume.py (tests/faults.py: wait_for_stage).
+Used by tests/test_e2e_resume.py, tests/fault_soak.py and the restart tests (tests/faults.py:
+wait_for_stage, release_stage).
 """
 
 from __future__ import annotations
