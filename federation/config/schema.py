@@ -30,6 +30,9 @@ class Deadlines(StrictModel):
     trainer_start_s: float = Field(300.0, gt=0, description="a site trainer service to come up")
     secagg_stage_s: float = Field(30.0, gt=0, description="each key-exchange and unmask stage of a "
                                   "secure-aggregation round (the masked-input stage uses round_s)")
+    superlink_retry_s: float = Field(120.0, gt=0, description="how long one call to the SuperLink is retried "
+                                     "on its transient errors (HTTP 5xx, connection reset, `database is locked`) "
+                                     "before the run gives up (then `--resume` continues it)")
 
 
 class FederationConfig(StrictModel):

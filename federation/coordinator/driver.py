@@ -40,6 +40,8 @@ from crypto.envelope import ReplayGuard
 from crypto.pki import CoordinatorBundle
 from federation.config.schema import ExperimentConfig
 from federation.coordinator.admission import Admission, AdmissionOutcome
+from federation.coordinator.bulk_path import BulkPath, ref_bytes
+from federation.coordinator.bulk_server import BulkServer
 from federation.coordinator.aggregate import ServerOptimizer
 from federation.coordinator.checkpoint import CheckpointStore
 from federation.coordinator.downlink_sender import DownlinkSender
@@ -48,6 +50,7 @@ from federation.coordinator.manifest_check import BaseCheck
 from federation.coordinator.plain_round import PlainRound
 from federation.coordinator.polling import PollSchedule
 from federation.coordinator.resume import checkpoint_round, resume_run
+from federation.coordinator.retry_grid import RetryingGrid
 from federation.coordinator import stage_hook
 from federation.coordinator.strategy import (
     Exchange,
@@ -61,6 +64,7 @@ from federation.coordinator.strategy import (
 )
 from federation.protocol import message_keys as keys
 from federation.protocol.codecs import Arrays
+from federation.protocol.bulk import BulkRefused
 from federation.protocol.payload_records import record_bytes
 from federation.protocol.pipeline import RoundContext
 from federation.protocol.round_config import RoundConfig
@@ -102,8 +106,10 @@ class Coordinator:
     def __init__(self, grid: Grid | None, cfg: ExperimentConfig, workdir: Path, run_id: int,
                  initial: Arrays, progress: Callable[[str], None] | None = None,
                  bundle: CoordinatorBundle | None = None, manifest: dict | None = None,
-                 sites_starting_s: float = 0.0):
-        self.grid, self.cfg, self.workdir, self.run_id = grid, cfg, Path(workdir), run_id
+                 sites_starting_s: float = 0.0, bulk: BulkServer | None = None):
+        self.cfg, self.workdir, self.run_id = cfg, Path(workdir), run_id
+        # every call to the SuperLink is retried on its transient errors (retry_grid.py)
+        self.grid = RetryingGrid(grid, cfg.federation.deadlines.superlink_retry_s, self.progress) if grid is not None else None
         self.sites_starting_s = sites_starting_s  # sites started alongside us (simulate): their start-up is allowed too
         self.fed = cfg.federation
         self.spec = {k: (v.dtype.str, tuple(v.shape)) for k, v in initial.items()}  # updates as they travel
@@ -136,6 +142,7 @@ class Coordinator:
         self.rejections: Counter[str] = Counter()
         self.downlink = DownlinkSender(self.fed.downlink_codec, self.fed.seed)
         self._progress = progress or (lambda line: log.info(line))
+        self.bulk = BulkPath(bulk, self.progress) if bulk is not None else None  # the data path beside Flower
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.workdir / "metrics.jsonl"
         self.riders: list[Rider] = []  # riding on every message sent now
@@ -180,6 +187,8 @@ class Coordinator:
                 rd[key] = rec
             if recs or getattr(rider, "sees_every_reply", False):
                 seen.append(rider)
+        if self.bulk is not None:
+            rd = self.bulk.outgoing(self.known_name(node), rd)
         self.messages[node] += 1
         # a little TTL beyond our deadline so a site's own timeout report can still get through
         return Message(rd, dst_node_id=node, message_type=message_type, ttl=deadline_s + 10), seen
@@ -199,7 +208,7 @@ class Coordinator:
         built += [self._message(n, RecordDict({keys.CONFIG: ConfigRecord({})}), "query", ex.deadline_s, riders)
                   for n in side]
         for m, _ in built:
-            result.bytes_down += record_bytes(m.content)
+            result.bytes_down += record_bytes(m.content) + ref_bytes(m.content)
         names = {m.metadata.dst_node_id: self.site_name(m.metadata.dst_node_id) for m, _ in built}
         pending: dict[str, tuple[int, list[Rider]]] = {}
         ids = list(self.grid.push_messages([m for m, _ in built])) if built else []
@@ -228,6 +237,10 @@ class Coordinator:
                         continue
                     node, seen = entry
                     result.by_node[node] = time.monotonic() - t0
+                    if not self._bulk_in(result, names[node], reply):
+                        for rider in seen:
+                            rider.take(node, None)
+                        continue
                     for rider in seen:
                         rider.take(node, reply)
                     good = self._check_reply(result, names[node], node, reply)
@@ -239,6 +252,8 @@ class Coordinator:
             if pending:
                 time.sleep(max(0.0, min(poll.next_wait(), end - time.monotonic())))
         self._pull_side()
+        if self.bulk is not None:
+            self.bulk.stage_over()
         for node, seen in pending.values():
             result.failed[names[node]] = f"deadline: no reply within {ex.deadline_s:.0f}s (crashed, hung or disconnected)"
             for rider in seen:
@@ -246,6 +261,19 @@ class Coordinator:
         result.seconds = time.monotonic() - t0
         result.wait_s = max(0.0, result.seconds - result.push_s - result.receive_s)
         return result
+
+    def _bulk_in(self, result: ExchangeResult, name: str, reply: Message) -> bool:
+        """Resolve the data-path references of a reply (bulk_path.py); False, with the site's failure
+        recorded and counted, if they are refused."""
+        if self.bulk is None:
+            return True
+        try:
+            self.bulk.incoming(name, reply)
+            return True
+        except BulkRefused as err:
+            result.failed[name] = f"{err.reason}: {err.detail}"
+            self.rejections[err.reason] += 1
+            return False
 
     def _pull_side(self) -> bool:
         """Hand the riders' replies that arrived to them; whether any did."""
@@ -316,6 +344,8 @@ class Coordinator:
                 traffic.up += result.bytes_up
                 t0 = time.monotonic()
                 step.aggregate(state, result)
+                if self.bulk is not None:  # the stage's uploads are folded in: their files go
+                    self.bulk.server.release_all()
                 traffic.stages.append(stage_timing(ex.stage, result, time.monotonic() - t0))
             stage_hook.entered("aggregate", state)
             t0 = time.monotonic()
@@ -513,6 +543,8 @@ class Coordinator:
             del self.sites[old]
             self.progress(f"site {site} is back as node {node} (its node {old} is offline)")
         self.sites[node] = Site(node, site, examples)
+        if self.bulk is not None:
+            self.bulk.heard(site, status)
         pk = status.get("secagg_channel_pk")
         if isinstance(pk, bytes) and len(pk) == 32:
             self.channel_keys[site] = pk
@@ -564,6 +596,8 @@ class Coordinator:
         t0 = time.monotonic()
         names = self.sample(rnd)
         timing: dict = {"stages": []}
+        if self.bulk is not None:
+            self.bulk.server.window(self.run_id, rnd)
         late = self.discover_late(rnd)
         if late is not None:
             timing["stages"].append(stage_timing(f"discovery before round {rnd}", late))
@@ -588,6 +622,8 @@ class Coordinator:
         out.bytes_down, out.bytes_up = traffic.down, traffic.up
         out.failed.update(absent)
         self.rejections.update(out.rejections)
+        if self.bulk is not None:
+            self.rejections.update(self.bulk.server.take_refusals())  # streams refused before any reply named them
         for name, reason in out.failed.items():
             self.progress(f"round {rnd}: site {name} excluded: {reason}")
         out.failed.update(self.base_check.refused)
@@ -606,6 +642,10 @@ class Coordinator:
         line = {"round": rnd, "sites": out.per_site, "failed": out.failed, "sampled": sampled,
                 "bytes_down": out.bytes_down, "bytes_up": out.bytes_up, "rejections": dict(self.rejections),
                 **out.extra}
+        if self.bulk is not None:  # which path each site's model and update took (bulk_path.py)
+            line["data_path"] = dict(self.bulk.paths)
+        if isinstance(self.grid, RetryingGrid) and self.grid.retries:
+            line["superlink_retries"] = dict(self.grid.retries)
         dense = sum(v.nbytes for v in self.model.values())
         if out.per_site:
             line["compression_ratio"] = dense * len(out.per_site) / max(

@@ -13,6 +13,7 @@ from flwr.serverapp import Grid, ServerApp
 from crypto.pki import CoordinatorBundle
 from federation.config import AttestationConfig, resolve
 from federation.config.schema import ConfigError, load_config
+from federation.coordinator.bulk_server import BulkServer
 from federation.coordinator.checkpoint import CheckpointError
 from federation.coordinator.driver import Coordinator, FederationFailed
 from federation.coordinator.run_record import record_workload
@@ -42,6 +43,20 @@ def attestation_line(att: AttestationConfig) -> str:
     return line
 
 
+def data_path(address: str, bundle: CoordinatorBundle | None, workdir: Path, progress) -> BulkServer | None:
+    """The bulk data path's server on `address` (run config `data-address`), or None: without an
+    address or a bundle (its certificates) every byte goes through Flower."""
+    if not address:
+        progress("data path: off (no data-address): models and updates travel through Flower")
+        return None
+    if bundle is None:
+        progress(f"data path: off (no coordinator bundle for its mutual TLS): models and updates travel through Flower")
+        return None
+    server = BulkServer(bundle, workdir, address).start()
+    progress(f"data path: listening on {address} (mutual TLS, the federation's certificates)")
+    return server
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """The ServerApp: load the experiment file and keys, run the Coordinator, always write result.json."""
@@ -49,6 +64,7 @@ def main(grid: Grid, context: Context) -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     progress = progress_writer(workdir)
     result: dict
+    bulk: BulkServer | None = None
     try:
         cfg = load_config(str(context.run_config["config-path"]))
         issuer_dir = str(context.run_config.get("dev-issuer-dir") or "")
@@ -80,8 +96,9 @@ def main(grid: Grid, context: Context) -> None:
             progress(attestation_line(att))
         resume = str(context.run_config.get("resume", "")).lower() == "true"
         starting = float(context.run_config.get("sites-starting-s", 0) or 0)  # `sovfl simulate` starts sites alongside
+        bulk = data_path(str(context.run_config.get("data-address") or ""), bundle, workdir, progress)
         result = Coordinator(grid, cfg, workdir, context.run_id, initial, progress, bundle, manifest,
-                             sites_starting_s=starting).run(resume=resume)
+                             sites_starting_s=starting, bulk=bulk).run(resume=resume)
     except (ConfigError, FederationFailed, CheckpointError) as err:
         progress(f"FAILED: {err}")
         result = {"status": "failed", "error": str(err)}
@@ -89,5 +106,8 @@ def main(grid: Grid, context: Context) -> None:
         progress(f"FAILED: unexpected {type(err).__name__}: {err}")
         traceback.print_exc()
         result = {"status": "failed", "error": f"{type(err).__name__}: {err}"}
+    finally:
+        if bulk is not None:
+            bulk.stop()
     (workdir / "result.json").write_text(json.dumps(result, indent=2))
     progress(f"finished: {result['status']}")

@@ -196,7 +196,8 @@ def site_metrics(reply: Reply) -> dict:
         samples = None
     out = {"loss": m.get("loss"), "samples": samples, "seconds": m.get("train_s"),
            "relay_s": m.get("relay_s"), "rank_digests": list(st.get("rank_digests", []))}
-    for key in ("upload_bytes", "dense_bytes", "encode_s", "state_arrays_in", "train_call_s", "evaluate_call_s"):
+    for key in ("upload_bytes", "dense_bytes", "encode_s", "state_arrays_in", "train_call_s", "evaluate_call_s",
+                "bulk_up_bytes", "bulk_up_s", "bulk_down_bytes", "bulk_down_s", "bulk_retries", "bulk_fallback"):
         if key in m:
             out[key] = m[key]
     pii = counts_from_metrics(m)  # the site's PII findings per entity type: counts only

@@ -84,7 +84,12 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
             keys = {site: Path(p) for site, p in _site_auth_keys(bundle, [s.id for s in cfg.sites]).items()}
             launcher.register_supernodes(sup, keys)
         print(f"SuperLink on {args.host}:{args.port}; waiting for {len(cfg.sites)} site(s)")
-        run = launcher.submit_run(sup, Path(args.config), f"127.0.0.1:{args.port}", bundle, resume=args.resume)
+        data_port = args.port + 1 if args.data_port is None else args.data_port
+        data = "" if args.insecure or not data_port else f"{args.host}:{data_port}"
+        if data:
+            print(f"data path (models and updates, mutual TLS) on {data}: open it to the sites beside the SuperLink's port")
+        run = launcher.submit_run(sup, Path(args.config), f"127.0.0.1:{args.port}", bundle, resume=args.resume,
+                                  data_address=data)
         result = launcher.watch_run(sup, [link, run], launcher.run_deadline(cfg), print)
     finally:
         sup.close()
@@ -134,8 +139,10 @@ def cmd_site(args: argparse.Namespace) -> int:
         guard = launcher.site_guard(sup, cfg, print)  # restarts what dies (site_supervisor.py)
         trainer = guard.watch_trainer(site.id, partial(_start_node0_pool, sup, site, cfg, sock, start_s), sock)
         launcher.wait_trainers({site.id: trainer}, {site.id: sock}, start_s, print)
+        data = {} if args.insecure else {"data-address": args.data or data_address_of(args.superlink)}
         guard.watch_supernode(site.id, partial(launcher.start_supernode, sup, site, args.superlink, sock, bundle,
-                                               args.insecure, launcher.site_attestation_config(cfg, site.id, workdir)),
+                                               args.insecure, {**launcher.site_attestation_config(cfg, site.id, workdir),
+                                                               **data}),
                               args.superlink, None if args.insecure else bundle)
         if cfg.federation.site_restarts.link_watch:
             guard.watch_link(f"site {site.id}: SuperNode", args.superlink)
@@ -143,6 +150,12 @@ def cmd_site(args: argparse.Namespace) -> int:
         return site_supervisor.keep_running(guard)
     finally:
         sup.close()
+
+
+def data_address_of(superlink: str) -> str:
+    """The coordinator's data path by default: the SuperLink's host, the port after its own."""
+    host, _, port = superlink.rpartition(":")
+    return f"{host}:{int(port) + 1}"
 
 
 def _site_node(args: argparse.Namespace, cfg, site) -> int:
@@ -237,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
                  "logs, checkpoints and metrics (default: runs/NAME-coordinator)")
     c.add_argument("--host", default="0.0.0.0", help="address the sites reach (default: all interfaces)")
     c.add_argument("--port", type=int, default=9092)
+    c.add_argument("--data-port", type=int, default=None,
+                   help="the data path's port (models and updates beside Flower, mutual TLS; default: --port + 1; "
+                        "0: off, everything through Flower)")
     c.add_argument("--bundle", help="the coordinator's provisioned bundle (OUT_DIR/coordinator)")
     run_dir.register(s, c)
 
@@ -245,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
                  "need the same path on storage every node shares")
     t.add_argument("--site", required=True, help="this site's id in the configuration")
     t.add_argument("--superlink", help="the coordinator's HOST:PORT (node 0 only)")
+    t.add_argument("--data", help="the coordinator's data path HOST:PORT (default: the SuperLink's host, its port + 1)")
     t.add_argument("--socket", help="the trainer's Unix socket (default: under /tmp)")
     t.add_argument("--bundle", help="this site's provisioned bundle (OUT_DIR/sites/NAME); node 0 only")
     t.add_argument("--node-rank", type=int, default=0,

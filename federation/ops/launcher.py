@@ -300,10 +300,12 @@ def write_flwr_connection(sup: Supervisor, address: str, ca: Path | None) -> Non
 
 
 def submit_run(sup: Supervisor, config_path: Path, address: str, bundle: Path | None = None,
-               dev_issuer: Path | None = None, resume: bool = False, sites_starting_s: float = 0.0) -> Proc:
+               dev_issuer: Path | None = None, resume: bool = False, sites_starting_s: float = 0.0,
+               data_address: str = "") -> Proc:
     """`flwr run` of our app; the coordinator's bundle (keys that open site envelopes) goes along,
     and under `sovfl simulate` the dev attestation issuer's directory. With `resume` the ServerApp
-    continues from the workdir's last checkpoint (coordinator/resume.py)."""
+    continues from the workdir's last checkpoint (coordinator/resume.py). `data_address` is where the
+    ServerApp serves the bulk data path (coordinator/bulk_server.py); empty: everything through Flower."""
     run_config = f'config-path="{config_path.resolve()}" workdir="{sup.workdir.resolve()}"'
     if resume:
         run_config += ' resume="true"'
@@ -313,6 +315,8 @@ def submit_run(sup: Supervisor, config_path: Path, address: str, bundle: Path | 
         run_config += f' bundle-dir="{bundle}"'
     if dev_issuer is not None:
         run_config += f' dev-issuer-dir="{dev_issuer}"'
+    if data_address:
+        run_config += f' data-address="{data_address}"'
     return sup.start("flwr-run", [_bin("flwr"), "run", str(APP_DIR), "sovfl", "--run-config", run_config, "--stream"])
 
 
@@ -398,6 +402,7 @@ def simulate(config_path: str | Path, workdir: str | Path | None = None,
     coord = pki / "coordinator"
     try:
         port = free_port()
+        data = "" if insecure else f"127.0.0.1:{free_port()}"  # the data path needs mutual TLS
         superlink = start_superlink(sup, port, bundle=None if insecure else coord)
         sockets = {s.id: str(sockdir / f"{s.id}.sock") for s in cfg.sites}
         guard = site_guard(sup, cfg, progress)  # restarts dead trainers and SuperNodes (site_supervisor.py)
@@ -412,13 +417,13 @@ def simulate(config_path: str | Path, workdir: str | Path | None = None,
         issuer = pki / "dev-attestation-issuer" if cfg.federation.attestation.dev_issuer else None
         site_att = {s.id: site_attestation_config(cfg, s.id, workdir / "sites" / s.id, issuer) for s in cfg.sites}
         run = submit_run(sup, config_path, f"127.0.0.1:{port}", coord, issuer, resume=resume,
-                         sites_starting_s=cfg.federation.deadlines.trainer_start_s)
+                         sites_starting_s=cfg.federation.deadlines.trainer_start_s, data_address=data)
         wait_trainers(trainers, sockets, cfg.federation.deadlines.trainer_start_s, progress)
         dial = tap(f"127.0.0.1:{port}") if tap else f"127.0.0.1:{port}"
         for s in cfg.sites:
             guard.watch_supernode(s.id, partial(
                 start_supernode, sup, s, dial, sockets[s.id], pki / "sites" / s.id, insecure,
-                {**site_att[s.id], **(node_config or {}).get(s.id, {})}), dial, None if insecure else pki / "sites" / s.id)
+                {**site_att[s.id], **({"data-address": data} if data else {}), **(node_config or {}).get(s.id, {})}), dial, None if insecure else pki / "sites" / s.id)
         result = watch_run(sup, [superlink, run], run_deadline(cfg), progress, tick=guard.tick)
     finally:
         sup.close()

@@ -5,6 +5,8 @@ never imported: the trainer is the site trainer service, reached over a Unix soc
 shared memory (trainer_call.py). Each concern of the site is one mod, outermost first:
 
   SiteScope         one SiteEnv per message (keys, settings, round config, trainer, store), relay_s
+  bulk_mod          large Arrays beside Flower: the model fetched from, the update uploaded to the
+                    coordinator's data path (bulk_mod.py); discovery replies say which path works
   attestation_mod   answers the attestation record of any message; refuses train messages until the
                     coordinator is trusted
   secagg_mod        sets up coming SecAgg rounds, masks the update of a train message (stage 3),
@@ -32,6 +34,7 @@ from federation.protocol import message_keys as keys
 from federation.protocol.payload_records import to_records
 from federation.protocol.pipeline import Payload
 from federation.site.attestation_mod import attestation_mod
+from federation.site.bulk_mod import bulk_mod
 from federation.site.codec_mod import codec_mod
 from federation.site.downlink_mod import dense_global, downlink_mod
 from federation.site.fault_hooks import absent
@@ -121,7 +124,7 @@ def evaluate(msg: Message, context: Context) -> Message:
 def build_client_app(trainer_for: TrainerFactory = service_trainer) -> ClientApp:
     """The ClientApp with its mods, over the trainer `trainer_for` returns for a message's SiteEnv
     (the deployment's: the trainer service; simulations plug in their own)."""
-    app = ClientApp(mods=[SiteScope(trainer_for)])
+    app = ClientApp(mods=[SiteScope(trainer_for), bulk_mod])
     app.query(mods=[attestation_mod, secagg_mod])(query)
     app.train(mods=[attestation_mod, secagg_mod, protection_mod, downlink_mod, codec_mod])(train)
     app.evaluate(mods=[downlink_mod])(evaluate)

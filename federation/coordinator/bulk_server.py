@@ -1,0 +1,304 @@
+"""The coordinator's end of the bulk data path: a gRPC server with mutual TLS (protocol/bulk.py).
+
+Sites authenticate with the client certificate of their provisioned bundle: the TLS handshake
+refuses any certificate the federation CA did not sign, and every call then checks the party in
+the certificate (a site of this federation, not revoked). It serves the blobs the coordinator
+offers (the model of a stage's messages, `offer`) and takes the blobs sites upload (their
+updates): each uploaded chunk is checked against the digests announced for its blob as it lands
+and written straight to a file under WORKDIR/bulk at its place, so memory never holds an upload
+and a broken transfer resumes with the chunks still missing. `take` hands the driver a verified
+blob as a read-only memory map; nothing partial is ever handed over. Uploads are accepted for
+the current run and round only (`window`): a stream of a past round or of another run is refused.
+
+Every refusal has a stable code (`bulk_<code>`), is counted (`refusals`, into the round's
+rejections) and is said to the site in the gRPC status.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import shutil
+import threading
+from collections import Counter
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from cryptography import x509
+
+from crypto.pki import CoordinatorBundle, TrustStore
+from federation.protocol import bulk_rpc as rpc
+from federation.protocol.bulk import Blob, BulkRefused, check_manifest, chunk_len, digests_of
+
+log = logging.getLogger("sovfl.bulk")
+
+
+@dataclass
+class _Upload:
+    site: str
+    run: int
+    round: int
+    size: int
+    chunk: int
+    digests: list[bytes]
+    path: Path
+    fd: int
+    have: set[int] = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def missing(self) -> list[int]:
+        return [i for i in range(len(self.digests)) if i not in self.have]
+
+
+class BulkServer:
+    """Serves offered blobs and takes uploads, for one coordinator run."""
+
+    def __init__(self, bundle: CoordinatorBundle, workdir: Path, address: str, workers: int = 16):
+        self.bundle, self.address = bundle, address
+        self.trust: TrustStore = bundle.trust()
+        self.dir = Path(workdir) / "bulk"
+        shutil.rmtree(self.dir, ignore_errors=True)  # uploads of an earlier run are of no use to this one
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.run_id, self.round = -1, -1
+        self.offered: dict[str, Blob] = {}
+        self.uploads: dict[tuple[str, str], _Upload] = {}  # (site, root) -> upload
+        self.refusals: Counter[str] = Counter()
+        self.bytes_in = self.bytes_out = 0
+        self._lock = threading.Lock()
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bulk"),
+                                   options=rpc.SERVER_OPTIONS)
+        methods = {
+            "Ping": grpc.unary_unary_rpc_method_handler(self._ping, rpc.identity, rpc.identity),
+            "Begin": grpc.unary_unary_rpc_method_handler(self._begin, rpc.identity, rpc.identity),
+            "Put": grpc.stream_unary_rpc_method_handler(self._put, rpc.identity, rpc.identity),
+            "Get": grpc.unary_stream_rpc_method_handler(self._get, rpc.identity, rpc.identity),
+        }
+        self._server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(rpc.SERVICE, methods)])
+        creds = grpc.ssl_server_credentials([(bundle.tls_key.read_bytes(), bundle.tls_cert.read_bytes())],
+                                            root_certificates=bundle.ca_cert.read_bytes(), require_client_auth=True)
+        self.port = self._server.add_secure_port(address, creds)
+        if not self.port:
+            raise OSError(f"the bulk data server cannot listen on {address} (in use?)")
+
+    def start(self) -> "BulkServer":
+        """Serve (on the server's own threads); returns self."""
+        self._server.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop serving and delete every upload's file."""
+        self._server.stop(grace=1.0).wait(5)
+        with self._lock:
+            for up in self.uploads.values():
+                _close(up)
+            self.uploads.clear()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    # ---- what the driver does ---------------------------------------------------------------------
+    def window(self, run_id: int, rnd: int) -> None:
+        """Uploads are taken for round `rnd` of run `run_id` from now on (and no other)."""
+        self.run_id, self.round = run_id, rnd
+
+    def offer(self, blob: Blob) -> str:
+        """Serve `blob` to the sites until `withdraw`; its root."""
+        root = blob.root
+        with self._lock:
+            self.offered[root] = blob
+        return root
+
+    def withdraw(self) -> None:
+        """Stop serving what was offered (the stage is over)."""
+        with self._lock:
+            self.offered.clear()
+
+    def take(self, site: str, root: str, size: int, chunk: int) -> memoryview:
+        """The verified blob `site` uploaded as `root`, a read-only map of its file (BulkRefused:
+        never uploaded by this site, incomplete, or of another size; the caller counts it)."""
+        with self._lock:
+            up = self.uploads.get((site, root))
+        if up is None:
+            raise BulkRefused("missing", f"site {site} uploaded no blob {root[:12]} in this round")
+        if (up.size, up.chunk) != (size, chunk):
+            raise BulkRefused("size_mismatch", f"blob {root[:12]} is {up.size} bytes, the reply says {size}")
+        with up.lock:
+            if up.missing:
+                raise BulkRefused("incomplete", f"blob {root[:12]} from {site}: {len(up.missing)} of "
+                                   f"{len(up.digests)} chunk(s) never arrived (truncated stream)")
+        if size == 0:
+            return memoryview(b"")
+        with open(up.path, "rb") as f:
+            return memoryview(mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ))
+
+    def release(self, site: str, root: str) -> None:
+        """Forget an upload (its file is deleted; a map of it stays readable until dropped)."""
+        with self._lock:
+            up = self.uploads.pop((site, root), None)
+        if up is not None:
+            _close(up)
+
+    def release_all(self) -> None:
+        """Forget every upload (a round is over)."""
+        with self._lock:
+            ups, self.uploads = list(self.uploads.values()), {}
+        for up in ups:
+            _close(up)
+
+    def take_refusals(self) -> Counter[str]:
+        """The refusals counted since the last call, as `bulk_<code>` counts."""
+        with self._lock:
+            out, self.refusals = Counter({f"bulk_{k}": v for k, v in self.refusals.items()}), Counter()
+        return out
+
+    # ---- the RPCs ---------------------------------------------------------------------------------
+    def _refuse(self, code: str, detail: str) -> BulkRefused:
+        with self._lock:
+            self.refusals[code] += 1
+        log.warning("bulk data path: refused (%s): %s", code, detail)
+        return BulkRefused(code, detail)
+
+    def _abort(self, context: grpc.ServicerContext, err: BulkRefused, status=grpc.StatusCode.PERMISSION_DENIED):
+        context.abort(status, f"{err.reason}: {err.detail}")
+
+    def _site(self, context: grpc.ServicerContext) -> str:
+        """The site this call's client certificate names, if it is one of ours and not revoked."""
+        pems = context.auth_context().get("x509_pem_cert") or []
+        if not pems:
+            raise self._refuse("no_client_cert", "no client certificate")
+        cert = x509.load_pem_x509_certificate(pems[0])
+        uris = []
+        try:
+            san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+            uris = san.get_values_for_type(x509.UniformResourceIdentifier)
+        except x509.ExtensionNotFound:
+            pass
+        prefix = f"spiffe://sovfl-{self.trust.federation_id}/site/"
+        names = [u[len(prefix):] for u in uris if u.startswith(prefix)]
+        if not names:
+            raise self._refuse("wrong_federation", f"certificate names no site of federation {self.trust.federation_id}: {uris}")
+        site = names[0]
+        rec = self.trust.lookup(site)
+        if rec is None:
+            raise self._refuse("unknown_site", f"site {site!r} is not in the federation registry")
+        if rec.revoked or cert.serial_number in self.trust.revoked_serials:
+            raise self._refuse("revoked", f"site {site!r} is revoked")
+        return site
+
+    def _ping(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        try:
+            site = self._site(context)
+        except BulkRefused as err:
+            self._abort(context, err)
+        return rpc.encode({"site": site, "federation": self.trust.federation_id, "run": self.run_id,
+                           "round": self.round})
+
+    def _check_window(self, site: str, run: int, rnd: int) -> None:
+        if run != self.run_id:
+            raise self._refuse("stale_run", f"site {site}: upload for run {run}, this run is {self.run_id}")
+        if rnd != self.round:
+            raise self._refuse("stale_round", f"site {site}: upload for round {rnd}, round {self.round} is open")
+
+    def _begin(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        try:
+            site = self._site(context)
+            try:
+                req = rpc.decode(request)
+                run, rnd, root = int(req["run"]), int(req["round"]), str(req["root"])
+                size, chunk = int(req["size"]), int(req["chunk"])
+                digests = [bytes.fromhex(d) for d in req["digests"]]
+            except (ValueError, KeyError, TypeError) as err:
+                raise self._refuse("bad_request", f"site {site}: unreadable Begin ({type(err).__name__})") from None
+            self._check_window(site, run, rnd)
+            try:
+                check_manifest(root, size, chunk, digests)
+            except BulkRefused as err:
+                raise self._refuse(err.code, f"site {site}: {err.detail}") from None
+            free = shutil.disk_usage(self.dir).free
+            with self._lock:
+                up = self.uploads.get((site, root))
+                if up is None:
+                    if size > free:
+                        raise self._refuse("no_space", f"site {site}: {size} bytes do not fit the {free} free")
+                    path = self.dir / f"{site}-{run}-{rnd}-{root[:16]}"
+                    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+                    os.ftruncate(fd, size)
+                    up = self.uploads[(site, root)] = _Upload(site, run, rnd, size, chunk, digests, path, fd)
+        except BulkRefused as err:
+            self._abort(context, err)
+        return rpc.encode({"missing": up.missing})
+
+    def _put(self, requests, context: grpc.ServicerContext) -> bytes:
+        try:
+            site = self._site(context)
+            meta = dict(context.invocation_metadata())
+            try:
+                head = rpc.decode(meta[rpc.PUT_HEADER].encode())
+                run, rnd, root = int(head["run"]), int(head["round"]), str(head["root"])
+            except (ValueError, KeyError, TypeError) as err:
+                raise self._refuse("bad_request", f"site {site}: unreadable Put header ({type(err).__name__})") from None
+            self._check_window(site, run, rnd)
+            with self._lock:
+                up = self.uploads.get((site, root))
+            if up is None or (up.run, up.round) != (run, rnd):
+                raise self._refuse("not_begun", f"site {site}: Put for blob {root[:12]} without its Begin")
+            for msg in requests:
+                try:
+                    index, data = rpc.parse_chunk(msg)
+                except ValueError as err:
+                    raise self._refuse("bad_chunk", f"site {site}: {err}") from None
+                if not 0 <= index < len(up.digests):
+                    raise self._refuse("chunk_out_of_range", f"site {site}: chunk {index} of a blob of {len(up.digests)}")
+                if len(data) != chunk_len(up.size, index, up.chunk):
+                    raise self._refuse("chunk_size", f"site {site}: chunk {index} is {len(data)} bytes, "
+                                       f"expected {chunk_len(up.size, index, up.chunk)}")
+                if digests_of([data])[0] != up.digests[index]:
+                    raise self._refuse("chunk_digest", f"site {site}: chunk {index} of blob {root[:12]} does not "
+                                       "hash to its announced digest (tampered or corrupted)")
+                os.pwrite(up.fd, data, index * up.chunk)
+                with up.lock:
+                    up.have.add(index)
+                with self._lock:
+                    self.bytes_in += len(data)
+        except BulkRefused as err:
+            self._abort(context, err)
+        with up.lock:
+            return rpc.encode({"missing": up.missing})
+
+    def _get(self, request: bytes, context: grpc.ServicerContext):
+        try:
+            site = self._site(context)
+            try:
+                req = rpc.decode(request)
+                root = str(req["root"])
+                wanted = req.get("chunks")
+            except (ValueError, KeyError, TypeError) as err:
+                raise self._refuse("bad_request", f"site {site}: unreadable Get ({type(err).__name__})") from None
+            with self._lock:
+                blob = self.offered.get(root)
+            if blob is None:
+                raise self._refuse("not_offered", f"site {site}: blob {root[:12]} is not offered now (stage over?)")
+            indices = range(blob.count) if wanted is None else [int(i) for i in wanted]
+            if any(not 0 <= i < blob.count for i in indices):
+                raise self._refuse("chunk_out_of_range", f"site {site}: asked for chunks beyond the blob's {blob.count}")
+        except BulkRefused as err:
+            self._abort(context, err)
+        yield rpc.encode({"size": blob.size, "chunk": blob.chunk, "digests": [d.hex() for d in blob.digests]})
+        for i in indices:
+            piece = blob.piece(i)
+            with self._lock:
+                self.bytes_out += len(piece)
+            yield rpc.chunk_message(i, piece)
+
+
+def _close(up: _Upload) -> None:
+    try:
+        os.close(up.fd)
+    except OSError:
+        pass
+    try:
+        up.path.unlink()
+    except OSError:
+        pass

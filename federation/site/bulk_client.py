@@ -1,0 +1,160 @@
+"""A site's end of the bulk data path: uploads its update's blob, downloads the model's
+(protocol/bulk.py; the coordinator's end is coordinator/bulk_server.py).
+
+Mutual TLS with the site's provisioned client certificate, the server checked against the
+federation CA. A blob moves on `streams` parallel streams, each on its own TCP connection (one
+HTTP/2 connection is held back by its flow-control window on a long fat link), each stream
+taking every `streams`-th missing chunk. A stream that breaks (reset, server restarting, a 5xx
+of a proxy) costs only its chunks in flight: the transfer asks which chunks are still missing and
+goes on with those, with backoff, until the deadline; then it says what failed.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from crypto.pki import SiteBundle
+from federation.protocol import bulk_rpc as rpc
+from federation.protocol.bulk import Blob, BulkRefused, Ref, check_manifest, chunk_count, chunk_len, digests_of
+
+STREAMS = 4
+_TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+              grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED}
+
+
+class BulkUnavailable(RuntimeError):
+    """The coordinator's data path could not be used within the deadline; the message says why."""
+
+
+class BulkClient:
+    """Transfers of one ClientApp process (one message) to and from the coordinator."""
+
+    def __init__(self, address: str, bundle: SiteBundle, streams: int = STREAMS,
+                 progress: Callable[[str], None] | None = None):
+        self.address, self.streams = address, max(1, streams)
+        self._creds = grpc.ssl_channel_credentials(
+            root_certificates=bundle.ca_cert.read_bytes(), private_key=bundle.tls_key.read_bytes(),
+            certificate_chain=bundle.tls_cert.read_bytes())
+        self._channels: list[grpc.Channel] = []
+        self.progress = progress or (lambda line: None)
+        self.retries = 0
+
+    def close(self) -> None:
+        """Close the channels (the process ends with the message anyway)."""
+        for ch in self._channels:
+            ch.close()
+        self._channels = []
+
+    def _channel(self, i: int) -> grpc.Channel:
+        while len(self._channels) <= i:
+            self._channels.append(grpc.secure_channel(self.address, self._creds, options=rpc.CHANNEL_OPTIONS))
+        return self._channels[i]
+
+    def _stub(self, i: int, kind: str, method: str):
+        make = getattr(self._channel(i), kind)
+        return make(f"/{rpc.SERVICE}/{method}", request_serializer=rpc.identity, response_deserializer=rpc.identity)
+
+    def ping(self, timeout_s: float = 10.0) -> dict:
+        """Who the coordinator's data path says we are (raises grpc.RpcError)."""
+        return rpc.decode(self._stub(0, "unary_unary", "Ping")(b"{}", timeout=timeout_s, wait_for_ready=False))
+
+    # ---- retries ----------------------------------------------------------------------------------
+    def _retrying(self, what: str, deadline: float, attempt: Callable[[], bool]) -> None:
+        """Run `attempt` (True: done) until it is done or `deadline`; transient gRPC errors back off."""
+        wait, last = 0.2, "no attempt"
+        while True:
+            try:
+                if attempt():
+                    return
+                last = "chunks still missing after a full pass"
+            except grpc.RpcError as err:
+                code = err.code() if hasattr(err, "code") else None
+                detail = err.details() if hasattr(err, "details") else str(err)
+                if code not in _TRANSIENT:
+                    refused = (detail or "").split(":", 1)
+                    raise BulkRefused(refused[0].removeprefix("bulk_") if len(refused) == 2 else "refused",
+                                      f"{what}: the coordinator refused: {detail}") from None
+                last = f"{code.name if code else 'error'}: {detail}"
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise BulkUnavailable(f"{what} to {self.address} did not complete before the deadline ({last})")
+            self.retries += 1
+            self.progress(f"bulk data path: {what}: {last}; retrying in {min(wait, left):.1f}s")
+            time.sleep(min(wait, left))
+            wait = min(wait * 2, 5.0)
+
+    # ---- upload -----------------------------------------------------------------------------------
+    def upload(self, blob: Blob, run: int, rnd: int, deadline_s: float) -> None:
+        """Upload `blob` for (run, round) before `deadline_s` from now (BulkRefused, BulkUnavailable)."""
+        deadline = time.monotonic() + deadline_s
+        begin = json.dumps({"run": run, "round": rnd, "root": blob.root, "size": blob.size, "chunk": blob.chunk,
+                            "digests": [d.hex() for d in blob.digests]}, separators=(",", ":")).encode()
+        head = ((rpc.PUT_HEADER, json.dumps({"run": run, "round": rnd, "root": blob.root})),)
+
+        def attempt() -> bool:
+            left = max(1.0, deadline - time.monotonic())
+            missing = rpc.decode(self._stub(0, "unary_unary", "Begin")(begin, timeout=left))["missing"]
+            if not missing:
+                return True
+            lanes = [missing[k::self.streams] for k in range(self.streams) if missing[k::self.streams]]
+
+            def send(k: int) -> None:
+                stream = (rpc.chunk_message(i, blob.piece(i)) for i in lanes[k])
+                self._stub(k, "stream_unary", "Put")(stream, timeout=left, metadata=head)
+
+            with ThreadPoolExecutor(len(lanes)) as pool:
+                for f in [pool.submit(send, k) for k in range(len(lanes))]:
+                    f.result()
+            return not rpc.decode(self._stub(0, "unary_unary", "Begin")(begin, timeout=left))["missing"]
+
+        self._retrying(f"upload of {blob.size / 1e6:.1f} MB", deadline, attempt)
+
+    # ---- download ---------------------------------------------------------------------------------
+    def download(self, ref: Ref, deadline_s: float) -> bytearray:
+        """The blob `ref` names, every chunk checked against the digests that hash to its name."""
+        deadline = time.monotonic() + deadline_s
+        out = bytearray(ref.size)
+        view = memoryview(out)
+        state: dict = {"digests": None, "missing": None}
+
+        def header(stream) -> list[bytes]:
+            head = rpc.decode(next(stream))
+            digests = [bytes.fromhex(d) for d in head["digests"]]
+            if int(head["size"]) != ref.size or int(head["chunk"]) != ref.chunk:
+                raise BulkRefused("size_mismatch", f"blob {ref.root[:12]} is served as {head['size']} bytes")
+            check_manifest(ref.root, ref.size, ref.chunk, digests)
+            return digests
+
+        def fetch(k: int, chunks: list[int] | None, left: float) -> None:
+            stream = self._stub(k, "unary_stream", "Get")(
+                rpc.encode({"root": ref.root, "chunks": chunks}), timeout=left)
+            digests = header(stream)
+            if state["digests"] is None:
+                state["digests"] = digests
+            for msg in stream:
+                index, data = rpc.parse_chunk(msg)
+                if not 0 <= index < len(digests) or len(data) != chunk_len(ref.size, index, ref.chunk):
+                    raise BulkRefused("chunk_out_of_range", f"the coordinator sent chunk {index} of {len(digests)}")
+                if digests_of([data])[0] != digests[index]:
+                    raise BulkRefused("chunk_digest", f"chunk {index} of the model does not hash to its digest")
+                view[index * ref.chunk:index * ref.chunk + len(data)] = data
+                state["missing"].discard(index)
+
+        def attempt() -> bool:
+            left = max(1.0, deadline - time.monotonic())
+            if state["missing"] is None:
+                state["missing"] = set(range(chunk_count(ref.size, ref.chunk)))
+            todo = sorted(state["missing"])
+            lanes = [todo[k::self.streams] for k in range(self.streams) if todo[k::self.streams]]
+            with ThreadPoolExecutor(len(lanes)) as pool:
+                for f in [pool.submit(fetch, k, lane, left) for k, lane in enumerate(lanes)]:
+                    f.result()
+            return not state["missing"]
+
+        self._retrying(f"download of {ref.size / 1e6:.1f} MB", deadline, attempt)
+        return out

@@ -1,0 +1,137 @@
+"""The site's mod of the bulk data path (protocol/bulk.py): large Arrays travel beside Flower.
+
+On the way in, a message whose large Arrays the coordinator sent as references (the model) gets
+them back from the coordinator's data path before any other mod sees it. On the way out, the
+large Arrays of the reply (the sealed update, the masked SecAgg chunks) are uploaded and replaced
+by references; the signature or mask above this layer covers the bytes, so the coordinator checks
+the same thing it checked when they came through Flower. A discovery reply says which path the
+site can use (`data_path` in its status: `direct`, or `flower: <why>`): the coordinator sends the
+model through Flower to a site that cannot reach its data path, and a site whose upload fails
+within the deadline sends its update through Flower instead (slower, and said in the log).
+
+Node config `data-address` (HOST:PORT of the coordinator's data path) and the site's bundle
+(`bundle-dir`: its client certificate) switch it on; without them everything stays in Flower.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from functools import cached_property
+
+from flwr.app import Context, Message
+
+from federation.protocol import message_keys as keys
+from federation.protocol.bulk import BulkRefused, has_big, offload, refs, resolve
+from federation.protocol.round_config import RoundConfigError
+from federation.site.bulk_client import BulkClient, BulkUnavailable
+from federation.site.replies import fail
+from federation.site.site_env import SiteEnv, site_env
+
+log = logging.getLogger("sovfl.site.bulk")
+DEFAULT_DEADLINE_S = 120.0  # a message without a round config (discovery, queries)
+
+
+def _say(line: str) -> None:
+    print(f"[sovfl site] {line}", file=sys.stderr, flush=True)
+
+
+class SiteBulk:
+    """The data path as one message's site sees it."""
+
+    def __init__(self, env: SiteEnv):
+        self.env = env
+        self.address = str(env.node_config.get("data-address", "") or "")
+
+    @cached_property
+    def client(self) -> BulkClient | None:
+        """The channel to the coordinator's data path, None if this site has none."""
+        if not self.address or self.env.bundle is None:
+            return None
+        return BulkClient(self.address, self.env.bundle, progress=_say)
+
+    def why_not(self) -> str | None:
+        """Why this site cannot use the data path (None: it can, as far as its settings go)."""
+        if not self.address:
+            return "no data-address in the SuperNode's node config"
+        if self.env.bundle is None:
+            return "no provisioned bundle (bundle-dir): no client certificate"
+        return None
+
+    def deadline_s(self) -> float:
+        """How long a transfer of this message may take: the round config's deadline."""
+        try:
+            return float(self.env.config.deadline_s)
+        except RoundConfigError:
+            return DEFAULT_DEADLINE_S
+
+    def probe(self) -> str:
+        """`direct` if the coordinator's data path answers us, else `flower: <why>`."""
+        why = self.why_not()
+        if why is None:
+            try:
+                self.client.ping(timeout_s=10)
+                return "direct"
+            except Exception as err:  # any failure means: use Flower
+                why = f"the data path at {self.address} did not answer ({type(err).__name__}: {_detail(err)})"
+        return f"flower: {why}"
+
+
+def _detail(err: Exception) -> str:
+    detail = err.details() if hasattr(err, "details") else str(err)
+    return str(detail)[:200]
+
+
+def bulk_mod(msg: Message, context: Context, call_next) -> Message:
+    """Fetch referenced Arrays of `msg`; upload large Arrays of the reply."""
+    env = site_env(context)
+    bulk = SiteBulk(env)
+    t0, down = time.perf_counter(), 0
+    try:
+        if refs(msg.content):
+            if bulk.client is None:
+                return fail(msg, env.site, f"bulk_unreachable: the coordinator sent the model on its data path but "
+                            f"{bulk.why_not()}; give the SuperNode node config data-address=HOST:PORT and bundle-dir")
+            down = resolve(msg.content, lambda ref: bulk.client.download(ref, bulk.deadline_s()))
+    except (BulkRefused, BulkUnavailable) as err:
+        return fail(msg, env.site, f"{getattr(err, 'reason', 'bulk_unavailable')}: {err}")
+    down_s = time.perf_counter() - t0
+    try:
+        reply = call_next(msg, context)
+        if not reply.has_content():
+            return reply
+        st = reply.content.config_records.get(keys.STATUS)
+        if keys.DISCOVER in msg.content.config_records and st is not None:
+            st["data_path"] = bulk.probe()
+        figures = {}
+        if down:
+            figures.update(bulk_down_bytes=float(down), bulk_down_s=down_s)
+        if bulk.client is not None and has_big(reply.content):
+            figures.update(_upload(bulk, msg, reply))
+        if figures and keys.METRICS in reply.content.metric_records:
+            reply.content.metric_records[keys.METRICS].update(figures)
+        return reply
+    finally:
+        if bulk.__dict__.get("client") is not None:
+            bulk.client.close()
+
+
+def _upload(bulk: SiteBulk, msg: Message, reply: Message) -> dict[str, float]:
+    """Upload the reply's large Arrays and put references in their place; on failure the reply keeps
+    them (Flower carries them) and the log says why."""
+    t0 = time.perf_counter()
+    made = offload(reply.content)
+    if made is None:
+        return {}
+    blob, with_refs = made
+    try:
+        rnd = bulk.env.config.round
+        bulk.client.upload(blob, int(msg.metadata.run_id), rnd, bulk.deadline_s() * 0.7)
+    except (BulkRefused, BulkUnavailable, RoundConfigError) as err:
+        _say(f"site {bulk.env.site}: update NOT sent on the data path ({err}); sending it through Flower")
+        return {"bulk_fallback": 1.0}
+    for key in with_refs.array_records:
+        reply.content[key] = with_refs[key]
+    return {"bulk_up_bytes": float(blob.size), "bulk_up_s": time.perf_counter() - t0,
+            "bulk_retries": float(bulk.client.retries)}
