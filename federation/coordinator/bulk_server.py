@@ -31,7 +31,7 @@ from cryptography import x509
 
 from crypto.pki import CoordinatorBundle, TrustStore
 from federation.protocol import bulk_rpc as rpc
-from federation.protocol.bulk import Blob, BulkRefused, check_manifest, chunk_len, digests_of
+from federation.protocol.bulk import Blob, BulkRefused
 
 log = logging.getLogger("sovfl.bulk")
 
@@ -205,17 +205,12 @@ class BulkServer:
         try:
             site = self._site(context)
             try:
-                req = rpc.decode(request)
-                run, rnd, root = int(req["run"]), int(req["round"]), str(req["root"])
-                size, chunk = int(req["size"]), int(req["chunk"])
-                digests = [bytes.fromhex(d) for d in req["digests"]]
-            except (ValueError, KeyError, TypeError) as err:
-                raise self._refuse("bad_request", f"site {site}: unreadable Begin ({type(err).__name__})") from None
-            self._check_window(site, run, rnd)
-            try:
-                check_manifest(root, size, chunk, digests)
+                begin = rpc.parse_begin(request)
             except BulkRefused as err:
                 raise self._refuse(err.code, f"site {site}: {err.detail}") from None
+            run, rnd, root, size, chunk, digests = (begin.run, begin.round, begin.root, begin.size, begin.chunk,
+                                                    begin.digests)
+            self._check_window(site, run, rnd)
             free = shutil.disk_usage(self.dir).free
             with self._lock:
                 up = self.uploads.get((site, root))
@@ -246,17 +241,9 @@ class BulkServer:
                 raise self._refuse("not_begun", f"site {site}: Put for blob {root[:12]} without its Begin")
             for msg in requests:
                 try:
-                    index, data = rpc.parse_chunk(msg)
-                except ValueError as err:
-                    raise self._refuse("bad_chunk", f"site {site}: {err}") from None
-                if not 0 <= index < len(up.digests):
-                    raise self._refuse("chunk_out_of_range", f"site {site}: chunk {index} of a blob of {len(up.digests)}")
-                if len(data) != chunk_len(up.size, index, up.chunk):
-                    raise self._refuse("chunk_size", f"site {site}: chunk {index} is {len(data)} bytes, "
-                                       f"expected {chunk_len(up.size, index, up.chunk)}")
-                if digests_of([data])[0] != up.digests[index]:
-                    raise self._refuse("chunk_digest", f"site {site}: chunk {index} of blob {root[:12]} does not "
-                                       "hash to its announced digest (tampered or corrupted)")
+                    index, data = rpc.check_chunk(msg, up.size, up.chunk, up.digests)
+                except BulkRefused as err:
+                    raise self._refuse(err.code, f"site {site}, blob {root[:12]}: {err.detail}") from None
                 os.pwrite(up.fd, data, index * up.chunk)
                 with up.lock:
                     up.have.add(index)

@@ -13,7 +13,10 @@ its bytes, one gRPC message per chunk, so gRPC does the framing and flow control
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
+
+from federation.protocol.bulk import BulkRefused, Ref, check_manifest, chunk_len, digests_of
 
 SERVICE = "sovfl.Bulk"
 MAX_MESSAGE = 80 << 20  # a chunk (at most 64 MiB) plus its index, with room
@@ -70,3 +73,62 @@ def parse_chunk(msg: bytes) -> tuple[int, memoryview]:
 def identity(data: bytes) -> bytes:
     """gRPC's (de)serializer for messages that are bytes already."""
     return data
+
+
+@dataclass(frozen=True)
+class Begin:
+    """An upload as a site announces it: its (run, round), the blob's name, size and chunk digests."""
+
+    run: int
+    round: int
+    root: str
+    size: int
+    chunk: int
+    digests: list[bytes]
+
+    def encode(self) -> bytes:
+        """The Begin request."""
+        return encode({"run": self.run, "round": self.round, "root": self.root, "size": self.size,
+                       "chunk": self.chunk, "digests": [d.hex() for d in self.digests]})
+
+
+def parse_begin(data: bytes) -> Begin:
+    """A site's Begin request, its digests checked against the blob's name (BulkRefused)."""
+    try:
+        req = decode(data)
+        begin = Begin(int(req["run"]), int(req["round"]), str(req["root"]), int(req["size"]), int(req["chunk"]),
+                      [bytes.fromhex(d) for d in req["digests"]])
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError, OverflowError) as err:
+        raise BulkRefused("bad_request", f"unreadable Begin ({type(err).__name__})") from None
+    check_manifest(begin.root, begin.size, begin.chunk, begin.digests)
+    return begin
+
+
+def parse_get_header(data: bytes, ref: Ref) -> list[bytes]:
+    """The chunk digests the coordinator's Get stream starts with, checked against `ref` (BulkRefused)."""
+    try:
+        head = decode(data)
+        size, chunk = int(head["size"]), int(head["chunk"])
+        digests = [bytes.fromhex(d) for d in head["digests"]]
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError, OverflowError) as err:
+        raise BulkRefused("bad_request", f"unreadable Get header ({type(err).__name__})") from None
+    if (size, chunk) != (ref.size, ref.chunk):
+        raise BulkRefused("size_mismatch", f"blob {ref.root[:12]} is served as {size} bytes in chunks of {chunk}")
+    check_manifest(ref.root, size, chunk, digests)
+    return digests
+
+
+def check_chunk(msg: bytes, size: int, chunk: int, digests: list[bytes]) -> tuple[int, memoryview]:
+    """(index, bytes) of a chunk message of the blob `digests` describe, checked: inside the blob, of
+    its chunk's length, hashing to its digest (BulkRefused)."""
+    try:
+        index, data = parse_chunk(msg)
+    except ValueError as err:
+        raise BulkRefused("bad_chunk", str(err)) from None
+    if not 0 <= index < len(digests):
+        raise BulkRefused("chunk_out_of_range", f"chunk {index} of a blob of {len(digests)}")
+    if len(data) != chunk_len(size, index, chunk):
+        raise BulkRefused("chunk_size", f"chunk {index} is {len(data)} bytes, expected {chunk_len(size, index, chunk)}")
+    if digests_of([data])[0] != digests[index]:
+        raise BulkRefused("chunk_digest", f"chunk {index} does not hash to its announced digest (tampered or corrupted)")
+    return index, data

@@ -11,7 +11,6 @@ goes on with those, with backoff, until the deadline; then it says what failed.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +19,7 @@ import grpc
 
 from crypto.pki import SiteBundle
 from federation.protocol import bulk_rpc as rpc
-from federation.protocol.bulk import Blob, BulkRefused, Ref, check_manifest, chunk_count, chunk_len, digests_of
+from federation.protocol.bulk import Blob, BulkRefused, Ref, chunk_count
 
 STREAMS = 4
 _TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -92,9 +91,8 @@ class BulkClient:
     def upload(self, blob: Blob, run: int, rnd: int, deadline_s: float) -> None:
         """Upload `blob` for (run, round) before `deadline_s` from now (BulkRefused, BulkUnavailable)."""
         deadline = time.monotonic() + deadline_s
-        begin = json.dumps({"run": run, "round": rnd, "root": blob.root, "size": blob.size, "chunk": blob.chunk,
-                            "digests": [d.hex() for d in blob.digests]}, separators=(",", ":")).encode()
-        head = ((rpc.PUT_HEADER, json.dumps({"run": run, "round": rnd, "root": blob.root})),)
+        begin = rpc.Begin(run, rnd, blob.root, blob.size, blob.chunk, blob.digests).encode()
+        head = ((rpc.PUT_HEADER, rpc.encode({"run": run, "round": rnd, "root": blob.root}).decode()),)
 
         def attempt() -> bool:
             left = max(1.0, deadline - time.monotonic())
@@ -120,41 +118,25 @@ class BulkClient:
         deadline = time.monotonic() + deadline_s
         out = bytearray(ref.size)
         view = memoryview(out)
-        state: dict = {"digests": None, "missing": None}
-
-        def header(stream) -> list[bytes]:
-            head = rpc.decode(next(stream))
-            digests = [bytes.fromhex(d) for d in head["digests"]]
-            if int(head["size"]) != ref.size or int(head["chunk"]) != ref.chunk:
-                raise BulkRefused("size_mismatch", f"blob {ref.root[:12]} is served as {head['size']} bytes")
-            check_manifest(ref.root, ref.size, ref.chunk, digests)
-            return digests
+        missing = set(range(chunk_count(ref.size, ref.chunk)))
 
         def fetch(k: int, chunks: list[int] | None, left: float) -> None:
             stream = self._stub(k, "unary_stream", "Get")(
                 rpc.encode({"root": ref.root, "chunks": chunks}), timeout=left)
-            digests = header(stream)
-            if state["digests"] is None:
-                state["digests"] = digests
+            digests = rpc.parse_get_header(next(stream), ref)
             for msg in stream:
-                index, data = rpc.parse_chunk(msg)
-                if not 0 <= index < len(digests) or len(data) != chunk_len(ref.size, index, ref.chunk):
-                    raise BulkRefused("chunk_out_of_range", f"the coordinator sent chunk {index} of {len(digests)}")
-                if digests_of([data])[0] != digests[index]:
-                    raise BulkRefused("chunk_digest", f"chunk {index} of the model does not hash to its digest")
+                index, data = rpc.check_chunk(msg, ref.size, ref.chunk, digests)
                 view[index * ref.chunk:index * ref.chunk + len(data)] = data
-                state["missing"].discard(index)
+                missing.discard(index)
 
         def attempt() -> bool:
             left = max(1.0, deadline - time.monotonic())
-            if state["missing"] is None:
-                state["missing"] = set(range(chunk_count(ref.size, ref.chunk)))
-            todo = sorted(state["missing"])
+            todo = sorted(missing)
             lanes = [todo[k::self.streams] for k in range(self.streams) if todo[k::self.streams]]
             with ThreadPoolExecutor(len(lanes)) as pool:
                 for f in [pool.submit(fetch, k, lane, left) for k, lane in enumerate(lanes)]:
                     f.result()
-            return not state["missing"]
+            return not missing
 
         self._retrying(f"download of {ref.size / 1e6:.1f} MB", deadline, attempt)
         return out

@@ -156,6 +156,21 @@ def _register_protocol() -> None:
              strategy=records)
 
 
+
+def _register_bulk() -> None:
+    from federation.protocol.bulk import BulkRefused
+
+    from . import bulk_targets as b
+
+    register("bulk-ref", b.decode_bulk_ref, BulkRefused, seeds=b.bulk_ref_seeds, strategy=mutated_json, max_size=4096)
+    register("bulk-begin", b.decode_bulk_begin, BulkRefused, seeds=b.bulk_begin_seeds, strategy=mutated_json)
+    register("bulk-get-header", b.decode_bulk_get_header, BulkRefused, seeds=b.bulk_get_header_seeds,
+             strategy=mutated_json)
+    register("bulk-chunk", b.decode_bulk_chunk, BulkRefused, seeds=b.bulk_chunk_seeds, max_size=1 << 18)
+    register("bulk-refs", b.decode_bulk_refs, _protocol_rejects(BulkRefused), seeds=b.bulk_refs_seeds)
+
+
 _register_protocol()
+_register_bulk()
 
 __all__ = ["REGISTRY"]
