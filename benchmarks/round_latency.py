@@ -76,8 +76,10 @@ def model_shapes(workdir: Path) -> list[list[int]]:
     return [list(model[k].shape) for k in sorted(model)]
 
 
-def run_flower(workdir: Path, config: Path, shapes: list[list[int]], rounds: int) -> dict:
-    """Flower's FedAvg on a deployment started like ours (TLS, SuperNode auth, same flags)."""
+def run_flower(workdir: Path, config: Path, shapes: list[list[int]], rounds: int, database: bool = True,
+               timeout_s: float = 120) -> dict:
+    """Flower's FedAvg on a deployment started like ours (TLS, SuperNode auth, same flags; the
+    SuperLink's state in memory without `database`); each stage waits up to `timeout_s`."""
     cfg = load_config(config)
     wd = workdir / "flower"
     wd.mkdir(parents=True, exist_ok=True)
@@ -88,17 +90,17 @@ def run_flower(workdir: Path, config: Path, shapes: list[list[int]], rounds: int
     sup = launcher.Supervisor(wd)
     try:
         port = launcher.free_port()
-        link = launcher.start_superlink(sup, port, bundle=coord)
+        link = launcher.start_superlink(sup, port, bundle=coord, database=database)
         launcher.wait_port(link, port)
         launcher.write_flwr_connection(sup, f"127.0.0.1:{port}", coord / "ca.crt")
         launcher.register_supernodes(sup, {s.id: pki / "sites" / s.id / "supernode_auth.pub" for s in cfg.sites})
         for s in cfg.sites:  # no trainer: the anchor's ClientApp is NumPy only
             launcher.start_supernode(sup, s, f"127.0.0.1:{port}", "unused", pki / "sites" / s.id)
         shapes_text = json.dumps(shapes, separators=(",", ":"))  # no spaces: --run-config splits on them
-        run_config = f'shapes="{shapes_text}" rounds={rounds} sites={len(cfg.sites)} out="{out}"'
+        run_config = f'shapes="{shapes_text}" rounds={rounds} sites={len(cfg.sites)} out="{out}" timeout={timeout_s:g}'
         run = sup.start("flwr-run", [launcher._bin("flwr"), "run", str(ANCHOR_APP), "sovfl", "--run-config",
                                      run_config, "--stream"])
-        end = time.monotonic() + 120 + rounds * 120
+        end = time.monotonic() + 120 + rounds * 3 * timeout_s
         while not out.exists():
             if time.monotonic() > end:
                 raise launcher.LaunchError(f"Flower's FedAvg did not finish; see {run.log}:\n{launcher.tail(run.log)}")

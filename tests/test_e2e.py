@@ -21,9 +21,11 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow(seconds=220)]
 
 def test_three_sites_two_ranks_weighted_mean_is_exact(tmp_path, marker):
     """The new global model is the sample-weighted mean of what the sites returned, and every rank
-    of a site holds the same weights after local training."""
+    of a site holds the same weights after local training. Arrays of 1 KiB and more travel on the
+    data path beside Flower (federation/protocol/bulk.py): the model down, the signed updates up."""
     cfg = {
         "federation": {"name": "exact", "rounds": 2, "quorum": 3, "update_kind": "weights", "evaluate": False,
+                       "data_path": {"inline_max_bytes": 1024},
                        "deadlines": {"connect_s": 60, "round_s": 60, "trainer_start_s": 120}},
         "workload": {"task": "digits", "options": {"hidden": 32, "partition": "dirichlet"}},
         "sites": [digits_site(i, n, 2, dump_updates=True) for i, n in enumerate(["paris", "frankfurt", "milan"])],
@@ -35,6 +37,10 @@ def test_three_sites_two_ranks_weighted_mean_is_exact(tmp_path, marker):
     assert "RESULT rounds=2" in proc.stdout
     lines = assert_weighted_mean_rounds(run, {"paris", "frankfurt", "milan"}, ranks=2, rounds=2)
     assert all(line["bytes_up"] > 0 and line["bytes_down"] > 0 for line in lines)
+    for line in lines:  # the model and every update took the data path
+        assert line["data_path"] == {s: "direct" for s in ("paris", "frankfurt", "milan")}, line.get("data_path")
+        for site in line["sites"].values():
+            assert site["bulk_down_bytes"] > 8000 and site["bulk_up_bytes"] > 8000, site
     # training really moved the model (a relay that echoed the global model would pass the mean check)
     from federation.config.schema import load_config
     from site_trainer.workloads import initial_weights

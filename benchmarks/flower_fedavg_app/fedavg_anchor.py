@@ -56,6 +56,7 @@ class TimedFedAvg(FedAvg):
 
     def aggregate_train(self, server_round, replies):  # type: ignore[no-untyped-def]
         replies = list(replies)
+        self.rounds[server_round]["train_s"] = time.monotonic() - self.rounds[server_round]["start"]
         self.rounds[server_round]["train_work_s"] = _slowest(replies)
         self.rounds[server_round]["train_replies"] = len(replies)
         return super().aggregate_train(server_round, replies)
@@ -79,6 +80,7 @@ def main(grid: Grid, context: Context) -> None:
     n = int(cfg["sites"])
     initial = ArrayRecord({f"p{i}": Array(np.zeros(s, np.float32)) for i, s in enumerate(shapes)})
     strategy = TimedFedAvg(min_train_nodes=n, min_evaluate_nodes=n, min_available_nodes=n)
-    strategy.start(grid=grid, initial_arrays=initial, num_rounds=int(cfg["rounds"]), timeout=120)
+    strategy.start(grid=grid, initial_arrays=initial, num_rounds=int(cfg["rounds"]),
+                   timeout=float(cfg.get("timeout", 120)))
     with open(str(cfg["out"]), "w") as f:
         json.dump({"rounds": strategy.rounds}, f)

@@ -35,6 +35,16 @@ class Deadlines(StrictModel):
                                      "before the run gives up (then `--resume` continues it)")
 
 
+class DataPath(StrictModel):
+    """The bulk data path beside Flower (federation/protocol/bulk.py): where large Arrays travel."""
+
+    enabled: bool = Field(True, description="models and updates on the coordinator's data path (mutual TLS); "
+                          "false: everything through Flower")
+    inline_max_bytes: int = Field(1 << 20, ge=0, description="Arrays of at least this many bytes leave the "
+                                  "Flower message; smaller ones stay inline")
+    streams: int = Field(4, ge=1, le=32, description="parallel streams (each its own TCP connection) per transfer")
+
+
 class FederationConfig(StrictModel):
     """What the coordinator runs."""
 
@@ -62,6 +72,7 @@ class FederationConfig(StrictModel):
                                  "`--resume` falls back to an older one if the newest is damaged)")
     site_restarts: SiteRestarts = Field(default_factory=SiteRestarts, description="restart budget of each site's "
                                         "trainer pool and SuperNode (federation/config/restart_config.py)")
+    data_path: DataPath = Field(default_factory=DataPath, description="the bulk data path beside Flower")
 
     @field_validator("downlink_codec")
     @classmethod

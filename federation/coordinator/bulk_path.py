@@ -18,7 +18,8 @@ from collections.abc import Callable
 from flwr.app import ConfigRecord, Message, RecordDict
 
 from federation.coordinator.bulk_server import BulkServer
-from federation.protocol.bulk import Blob, BulkRefused, big_records, has_big, offload, refs, resolve
+from federation.protocol import message_keys as keys
+from federation.protocol.bulk import INLINE_MAX, Blob, BulkRefused, big_records, has_big, offload, refs, resolve
 
 
 def ref_bytes(rd: RecordDict) -> int:
@@ -32,8 +33,10 @@ def ref_bytes(rd: RecordDict) -> int:
 class BulkPath:
     """Per run: the server, and which sites use it."""
 
-    def __init__(self, server: BulkServer, progress: Callable[[str], None]):
-        self.server, self.progress = server, progress
+    def __init__(self, server: BulkServer, progress: Callable[[str], None], inline_max: int = INLINE_MAX,
+                 streams: int = 4):
+        self.server, self.progress, self.inline_max = server, progress, inline_max
+        self.settings = ConfigRecord({"inline_max": inline_max, "streams": streams})  # what the sites are told
         self.paths: dict[str, str] = {}  # site -> "direct" or "flower: <why>" (from its discovery reply)
         self._stage: dict[tuple, tuple[Blob, RecordDict]] = {}
 
@@ -48,18 +51,20 @@ class BulkPath:
 
     def outgoing(self, site: str | None, rd: RecordDict) -> RecordDict:
         """`rd` as it goes to `site`: its large Arrays as references if the site is direct."""
-        if site is None or self.paths.get(site) != "direct" or not has_big(rd):
+        if site is None or self.paths.get(site) != "direct":
             return rd
-        recs = big_records(rd)  # the model's records: the same objects in every message of a stage
+        if not has_big(rd, self.inline_max):
+            return RecordDict({**dict(rd.items()), keys.BULK: self.settings})
+        recs = big_records(rd, self.inline_max)  # the model's records: the same objects in every message of a stage
         key = tuple((rk, ak, id(a.data)) for rk, rec in recs.items() for ak, a in rec.items())
         made = self._stage.get(key)
         if made is None:
-            made = offload(RecordDict(recs))
+            made = offload(RecordDict(recs), self.inline_max)
             if made is None:
                 return rd
             self.server.offer(made[0])
             self._stage[key] = made
-        return RecordDict({k: made[1][k] if k in recs else v for k, v in rd.items()})
+        return RecordDict({**{k: made[1][k] if k in recs else v for k, v in rd.items()}, keys.BULK: self.settings})
 
     def stage_over(self) -> None:
         """The stage's messages are answered or expired: stop serving their model."""

@@ -142,7 +142,8 @@ class Coordinator:
         self.rejections: Counter[str] = Counter()
         self.downlink = DownlinkSender(self.fed.downlink_codec, self.fed.seed)
         self._progress = progress or (lambda line: log.info(line))
-        self.bulk = BulkPath(bulk, self.progress) if bulk is not None else None  # the data path beside Flower
+        self.bulk = (BulkPath(bulk, self.progress, self.fed.data_path.inline_max_bytes, self.fed.data_path.streams)
+                     if bulk is not None else None)  # the data path beside Flower
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.workdir / "metrics.jsonl"
         self.riders: list[Rider] = []  # riding on every message sent now

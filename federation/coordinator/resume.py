@@ -12,8 +12,8 @@ round depends on, so a resumed run is the run that would have happened:
 - the run-wide rejection counts and the metrics history: on resume metrics.jsonl is rewritten
   from the checkpoint, so each round appears exactly once whatever the moment of the crash;
 - the configuration: a resume under a different configuration is refused, naming each field
-  that changed (only `federation.deadlines`, `federation.checkpoint_keep` and
-  `federation.site_restarts` may change: they do not enter the computation).
+  that changed (only `federation.deadlines`, `federation.checkpoint_keep`,
+  `federation.site_restarts` and `federation.data_path` may change: they do not enter the computation).
 
 What is deliberately not restored, and why:
 
@@ -50,7 +50,8 @@ from federation.protocol.update_codec import round_seed
 if TYPE_CHECKING:
     from federation.coordinator.driver import Coordinator
 
-RESUMABLE = ("federation.deadlines", "federation.checkpoint_keep", "federation.site_restarts")  # may differ on resume
+RESUMABLE = ("federation.deadlines", "federation.checkpoint_keep", "federation.site_restarts",
+             "federation.data_path")  # may differ on resume
 
 
 class ResumeRefused(ConfigError):

@@ -52,7 +52,11 @@ def data_path(address: str, bundle: CoordinatorBundle | None, workdir: Path, pro
     if bundle is None:
         progress(f"data path: off (no coordinator bundle for its mutual TLS): models and updates travel through Flower")
         return None
-    server = BulkServer(bundle, workdir, address).start()
+    try:
+        server = BulkServer(bundle, workdir, address).start()
+    except (OSError, RuntimeError) as err:  # the port is taken: the run goes on, slower, through Flower
+        progress(f"WARNING: data path: cannot listen on {address} ({err}); models and updates travel through Flower")
+        return None
     progress(f"data path: listening on {address} (mutual TLS, the federation's certificates)")
     return server
 

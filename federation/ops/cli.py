@@ -85,7 +85,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
             launcher.register_supernodes(sup, keys)
         print(f"SuperLink on {args.host}:{args.port}; waiting for {len(cfg.sites)} site(s)")
         data_port = args.port + 1 if args.data_port is None else args.data_port
-        data = "" if args.insecure or not data_port else f"{args.host}:{data_port}"
+        data = ("" if args.insecure or not data_port or not cfg.federation.data_path.enabled
+                else f"{args.host}:{data_port}")
         if data:
             print(f"data path (models and updates, mutual TLS) on {data}: open it to the sites beside the SuperLink's port")
         run = launcher.submit_run(sup, Path(args.config), f"127.0.0.1:{args.port}", bundle, resume=args.resume,

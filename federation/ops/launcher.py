@@ -166,15 +166,17 @@ INSECURE_WARNING = ("WARNING: TLS and SuperNode authentication are OFF (--insecu
                     "node identities cross the network unprotected by TLS. Use this only for local debugging.")
 
 
-def start_superlink(sup: Supervisor, port: int, host: str = "127.0.0.1", bundle: Path | None = None) -> Proc:
+def start_superlink(sup: Supervisor, port: int, host: str = "127.0.0.1", bundle: Path | None = None,
+                    database: bool = True) -> Proc:
     """TLS with the coordinator's provisioned certificate and SuperNode authentication, unless
-    `bundle` is None (plain text, which the caller must have asked for explicitly)."""
+    `bundle` is None (plain text, which the caller must have asked for explicitly). State in
+    WORKDIR/superlink.db (what a resume needs), or in memory without `database` (benchmarks' anchors)."""
     security = ["--insecure"] if bundle is None else [
         "--ssl-certfile", str(bundle / "server.crt"), "--ssl-keyfile", str(bundle / "server.key"),
         "--ssl-ca-certfile", str(bundle / "ca.crt"), "--enable-supernode-auth"]
     return sup.start("superlink", [
         _bin("flower-superlink"), *security, "--disable-runtime-dependency-installation",
-        "--host", host, "--port", str(port), "--database", str(sup.workdir / "superlink.db"),
+        "--host", host, "--port", str(port), *(["--database", str(sup.workdir / "superlink.db")] if database else []),
     ])
 
 
@@ -402,7 +404,7 @@ def simulate(config_path: str | Path, workdir: str | Path | None = None,
     coord = pki / "coordinator"
     try:
         port = free_port()
-        data = "" if insecure else f"127.0.0.1:{free_port()}"  # the data path needs mutual TLS
+        data = "" if insecure or not cfg.federation.data_path.enabled else f"127.0.0.1:{free_port()}"  # mutual TLS
         superlink = start_superlink(sup, port, bundle=None if insecure else coord)
         sockets = {s.id: str(sockdir / f"{s.id}.sock") for s in cfg.sites}
         guard = site_guard(sup, cfg, progress)  # restarts dead trainers and SuperNodes (site_supervisor.py)

@@ -20,6 +20,7 @@ SECAGG = "secagg"  # ConfigRecord: a SecAgg+ stage-3 or -4 request, and the repl
 SECAGG_SETUP = "secagg_setup"  # ConfigRecord: a coming round's plan, and the site's setup for it
 ATTEST = "attest"  # ConfigRecord: attested admission, both ways (coordinator/admission.py)
 DISCOVER = "discover"  # ConfigRecord: site discovery (who are you, how much data)
+BULK = "bulk"  # ConfigRecord: to a site on the data path: which Arrays leave the reply, on how many streams
 
 # site -> coordinator
 STATUS = "status"  # ConfigRecord: site, ok, error, and what the message type adds (num_examples, ...)

@@ -23,9 +23,9 @@ from functools import cached_property
 from flwr.app import Context, Message
 
 from federation.protocol import message_keys as keys
-from federation.protocol.bulk import BulkRefused, has_big, offload, refs, resolve
+from federation.protocol.bulk import INLINE_MAX, BulkRefused, has_big, offload, refs, resolve
 from federation.protocol.round_config import RoundConfigError
-from federation.site.bulk_client import BulkClient, BulkUnavailable
+from federation.site.bulk_client import STREAMS, BulkClient, BulkUnavailable
 from federation.site.replies import fail
 from federation.site.site_env import SiteEnv, site_env
 
@@ -40,16 +40,20 @@ def _say(line: str) -> None:
 class SiteBulk:
     """The data path as one message's site sees it."""
 
-    def __init__(self, env: SiteEnv):
+    def __init__(self, env: SiteEnv, msg: Message):
         self.env = env
         self.address = str(env.node_config.get("data-address", "") or "")
+        told = msg.content.config_records.get(keys.BULK)  # the coordinator puts this site on the data path
+        self.told = told is not None
+        self.inline_max = _int(told, "inline_max", INLINE_MAX)
+        self.streams = max(1, min(32, _int(told, "streams", STREAMS)))
 
     @cached_property
     def client(self) -> BulkClient | None:
         """The channel to the coordinator's data path, None if this site has none."""
         if not self.address or self.env.bundle is None:
             return None
-        return BulkClient(self.address, self.env.bundle, progress=_say)
+        return BulkClient(self.address, self.env.bundle, streams=self.streams, progress=_say)
 
     def why_not(self) -> str | None:
         """Why this site cannot use the data path (None: it can, as far as its settings go)."""
@@ -78,6 +82,13 @@ class SiteBulk:
         return f"flower: {why}"
 
 
+def _int(rec, key: str, default: int) -> int:
+    try:
+        return int(rec[key]) if rec is not None and key in rec else default
+    except (TypeError, ValueError):
+        return default
+
+
 def _detail(err: Exception) -> str:
     detail = err.details() if hasattr(err, "details") else str(err)
     return str(detail)[:200]
@@ -86,7 +97,7 @@ def _detail(err: Exception) -> str:
 def bulk_mod(msg: Message, context: Context, call_next) -> Message:
     """Fetch referenced Arrays of `msg`; upload large Arrays of the reply."""
     env = site_env(context)
-    bulk = SiteBulk(env)
+    bulk = SiteBulk(env, msg)
     t0, down = time.perf_counter(), 0
     try:
         if refs(msg.content):
@@ -107,7 +118,7 @@ def bulk_mod(msg: Message, context: Context, call_next) -> Message:
         figures = {}
         if down:
             figures.update(bulk_down_bytes=float(down), bulk_down_s=down_s)
-        if bulk.client is not None and has_big(reply.content):
+        if bulk.told and bulk.client is not None and has_big(reply.content, bulk.inline_max):
             figures.update(_upload(bulk, msg, reply))
         if figures and keys.METRICS in reply.content.metric_records:
             reply.content.metric_records[keys.METRICS].update(figures)
@@ -121,7 +132,7 @@ def _upload(bulk: SiteBulk, msg: Message, reply: Message) -> dict[str, float]:
     """Upload the reply's large Arrays and put references in their place; on failure the reply keeps
     them (Flower carries them) and the log says why."""
     t0 = time.perf_counter()
-    made = offload(reply.content)
+    made = offload(reply.content, bulk.inline_max)
     if made is None:
         return {}
     blob, with_refs = made

@@ -1,0 +1,225 @@
+"""SLM-sized updates: our bulk data path against Flower's own path, moving the same bytes, in one run.
+
+Both sides run real processes on loopback, started by the project's launcher:
+
+- ours: `sovfl simulate` (federation/ops/launcher.py) of the built-in `slm` task sized to the model
+  asked for, 2 sites x 1 rank, full fine-tuning (every parameter travels), once sealed and signed
+  (`--rounds`, default 2: the configuration that failed in round 1 before the data path) and once
+  with SecAgg+ (1 round). The model goes down and the update comes up on the coordinator's data
+  path (coordinator/bulk_server.py), SuperLink with its database as in production;
+- Flower: `flwr run` of benchmarks/flower_fedavg_app (flwr.serverapp.strategy.FedAvg as shipped,
+  a NumPy ClientApp), on an in-memory SuperLink (the database one fails at this size, issue 19),
+  the same number of sites and the same parameter shapes (read from our run's checkpoint), 1 round.
+
+Per hop: ours, the bytes each site's ClientApp moved on the data path over the seconds it took
+(`bulk_down_*`, `bulk_up_*` of the metrics lines: TLS, chunk hashing on both ends, files written on
+the coordinator); Flower, 6 hops per site (ServerApp -> SuperLink -> SuperNode -> ClientApp and
+back) over its train stage's wall time less the ClientApp's own work. Also printed, for ours, the
+same end-to-end accounting (2 hops over the train stage less the trainer calls), which charges
+everything else of ours (sealing, the /dev/shm hand-off, ClientApp start-up, Flower's polling) to
+the transfer. Memory: every process of the run sampled from /proc every 0.2 s; the coordinator's
+peak is the ServerApp's peak RSS less that of the same ServerApp with a tiny model (imports, torch,
+Flower), over P x 4 bytes.
+
+    .venv/bin/python benchmarks/large_update.py                            # 101M parameters (n_layer 8, n_embd 1024)
+    .venv/bin/python benchmarks/large_update.py --n-layer 12 --n-embd 1408 # about 286M
+    .venv/bin/python benchmarks/large_update.py --skip-flower               # ours only
+
+Last line: `RESULT params=<P> ours_mb_s_per_hop=<..> flower_mb_s_per_hop=<..> speedup=<ours/flower> coordinator_peak_ratio=<..> rounds_ok=<n>`
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.round_latency import run_flower  # noqa: E402
+from federation.ops import launcher  # noqa: E402
+
+KINDS = (("flwr-serverapp", "coordinator"), ("flower-superlink", "superlink"), ("flower-supernode", "supernode"),
+         ("flwr-clientapp", "clientapp"), ("site_trainer", "trainer"))
+
+
+class MemorySampler:
+    """Peak resident memory of every process below this one, by kind, sampled from /proc."""
+
+    def __init__(self, period_s: float = 0.2):
+        self.period_s, self.peak = period_s, defaultdict(int)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> "MemorySampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        me = os.getpid()
+        while not self._stop.is_set():
+            procs = _procs()
+            below = _descendants(me, procs)
+            total = defaultdict(int)
+            for pid in below:
+                cmd, rss = procs[pid][1], procs[pid][2]
+                kind = next((k for key, k in KINDS if key in cmd), None)
+                if kind:
+                    self.peak[kind] = max(self.peak[kind], rss)
+                    total[kind] += rss
+            for kind, v in total.items():
+                self.peak[f"{kind} (all)"] = max(self.peak[f"{kind} (all)"], v)
+            self.peak["all processes"] = max(self.peak["all processes"], sum(procs[p][2] for p in below))
+            self._stop.wait(self.period_s)
+
+
+def _procs() -> dict[int, tuple[int, str, int]]:
+    """pid -> (parent, command line, RSS bytes)."""
+    out = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/status") as f:
+                st = dict(line.split(":", 1) for line in f if ":" in line)
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            rss = int(st.get("VmRSS", "0 kB").split()[0]) * 1024
+            out[int(d)] = (int(st["PPid"]), cmd, rss)
+        except (OSError, ValueError, KeyError):
+            continue
+    return out
+
+
+def _descendants(root: int, procs: dict[int, tuple[int, str, int]]) -> set[int]:
+    kids = defaultdict(list)
+    for pid, (ppid, _, _) in procs.items():
+        kids[ppid].append(pid)
+    seen, todo = set(), [root]
+    while todo:
+        for k in kids.get(todo.pop(), []):
+            if k not in seen:
+                seen.add(k)
+                todo.append(k)
+    return seen
+
+
+def write_config(path: Path, n_layer: int, n_embd: int, rounds: int, protection: dict) -> Path:
+    cfg = {
+        "federation": {
+            "name": "large-update", "rounds": rounds, "quorum": 2, "update_kind": "delta", "evaluate": False,
+            "deadlines": {"connect_s": 600, "round_s": 1800, "evaluate_s": 600, "secagg_stage_s": 600,
+                          "trainer_start_s": 900},
+            **protection,
+        },
+        "workload": {"task": "slm", "options": {"n_layer": n_layer, "n_head": 8, "n_embd": n_embd, "block_size": 32,
+                                                 "corpus_bytes_per_site": 60000, "val_fraction": 0.05}},
+        "sites": [{"id": f"site{i}", "ranks": 1, "partition": i, "local_steps": 1, "batch_size": 1, "lr": 0.001,
+                   "optimizer": "sgd"} for i in range(2)],
+    }
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def run_ours(workdir: Path, config: Path, name: str) -> tuple[list[dict], dict, dict]:
+    """One `sovfl simulate` run: its metrics lines, result and memory peaks."""
+    with MemorySampler() as mem:
+        result = launcher.simulate(config, workdir / name, progress=lambda line: print(f"  [{name}] {line}", flush=True))
+    lines = [json.loads(x) for x in (workdir / name / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return lines, result, dict(mem.peak)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n-layer", type=int, default=8)
+    ap.add_argument("--n-embd", type=int, default=1024)
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of the sealed run (the SecAgg+ run has 1)")
+    ap.add_argument("--skip-flower", action="store_true")
+    ap.add_argument("--skip-secagg", action="store_true")
+    ap.add_argument("--workdir", type=Path, default=None)
+    args = ap.parse_args()
+    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    wd = args.workdir or Path(tempfile.mkdtemp(prefix="large-update-"))
+    wd.mkdir(parents=True, exist_ok=True)
+    print(f"# workdir {wd}", flush=True)
+
+    _, _, tiny_mem = run_ours(wd, write_config(wd / "tiny.yaml", 1, 64, 1, {"seal": True}), "tiny")
+    runs = {"sealed": ({"seal": True}, args.rounds)}
+    if not args.skip_secagg:
+        runs["secagg"] = ({"secagg": {"enabled": True, "threshold": 2, "clip": 0.5}}, 1)
+    out, rounds_ok, rounds_asked, params = {}, 0, 0, 0
+    for name, (protection, rounds) in runs.items():
+        t0 = time.monotonic()
+        lines, result, mem = run_ours(wd, write_config(wd / f"{name}.yaml", args.n_layer, args.n_embd, rounds, protection),
+                                      name)
+        out[name] = (lines, mem, time.monotonic() - t0)
+        rounds_asked += rounds
+        rounds_ok += int(result.get("aggregated_rounds", 0))
+    shapes = model_shapes_of(wd / "sealed")
+    params = sum(_prod(s) for s in shapes)
+    model_mb = params * 4 / 1e6
+
+    print(f"# {params:,} float32 parameters ({model_mb:.0f} MB), 2 sites x 1 rank")
+    bytes_moved = seconds = 0.0
+    for name, (lines, mem, wall) in out.items():
+        for line in lines:
+            stage = next((s for s in line["timing"]["stages"] if s["stage"] in ("train", "secagg stage 3")), None)
+            sites = line["sites"]
+            moved = sum(s.get("bulk_up_bytes", 0) + s.get("bulk_down_bytes", 0) for s in sites.values())
+            took = sum(s.get("bulk_up_s", 0) + s.get("bulk_down_s", 0) for s in sites.values())
+            bytes_moved, seconds = bytes_moved + moved, seconds + took
+            e2e = (2 * model_mb / max(1e-9, stage["seconds"] - line["timing"]["site_work_s"])) if stage else float("nan")
+            print(f"  ours {name:6s} round {line['round']}: {line['status']}, {line['round_s']:.1f}s, data path "
+                  f"{moved / 1e6:.0f} MB in {took:.1f} site-seconds ({moved / 1e6 / max(took, 1e-9):.0f} MB/s per hop); "
+                  f"end to end {e2e:.0f} MB/s per hop; paths {line.get('data_path')}")
+        peaks = ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in sorted(mem.items()))
+        print(f"  ours {name}: run {wall:.0f}s; peak RSS {peaks}")
+    ours_rate = bytes_moved / 1e6 / max(seconds, 1e-9)
+    coord_peak = max(mem.get("coordinator", 0) for _, mem, _ in out.values())
+    ratio = (coord_peak - tiny_mem.get("coordinator", 0)) / (params * 4)
+    print(f"  coordinator: peak {coord_peak / 1e9:.2f} GB, tiny-model ServerApp {tiny_mem.get('coordinator', 0) / 1e9:.2f} "
+          f"GB, difference / (P x 4 B) = {ratio:.2f}")
+
+    flower_rate = float("nan")
+    if not args.skip_flower:
+        t0 = time.monotonic()
+        flower = run_flower(wd, wd / "sealed.yaml", shapes, 1, database=False, timeout_s=3600)
+        r = flower["rounds"]["1"]
+        transfer = r["train_s"] - r.get("train_work_s", 0.0)
+        flower_rate = 6 * model_mb / transfer
+        print(f"  flower FedAvg (in-memory SuperLink): train stage {r['train_s']:.1f}s, ClientApp work "
+              f"{r.get('train_work_s', 0):.1f}s, 6 hops x {model_mb:.0f} MB per site: {flower_rate:.1f} MB/s per hop; "
+              f"run {time.monotonic() - t0:.0f}s")
+    print(f"RESULT params={params} ours_mb_s_per_hop={ours_rate:.1f} flower_mb_s_per_hop={flower_rate:.1f} "
+          f"speedup={ours_rate / flower_rate:.1f} coordinator_peak_ratio={ratio:.2f} rounds_ok={rounds_ok} rounds_asked={rounds_asked}")
+
+
+def model_shapes_of(run: Path) -> list[list[int]]:
+    """The parameter shapes of a run's checkpointed model."""
+    from federation.coordinator.checkpoint import load_checkpoint
+
+    _, model, _ = load_checkpoint(run / "checkpoints")
+    return [list(model[k].shape) for k in sorted(model)]
+
+
+def _prod(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+if __name__ == "__main__":
+    main()
