@@ -14,7 +14,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
 
 from .attester import Attester
-from .jws import public_jwk, sign_jws
+from .jose import public_jwk, sign_jws
 from .models import Evidence, b64url, key_hash
 
 log = logging.getLogger(__name__)
