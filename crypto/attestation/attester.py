@@ -14,6 +14,7 @@ ATTESTER_ENTRY_POINT_GROUP = "sovereign_fl.attesters"
 BUILTIN_ATTESTERS = {
     "insecure-dev": "crypto.attestation.insecure_dev:InsecureDevAttester",
     "local-token": "crypto.attestation.testing:LocalTokenAttester",
+    "nras-test": "crypto.attestation.testing:NrasTestAttester",
 }
 
 

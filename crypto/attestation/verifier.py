@@ -27,6 +27,7 @@ ENTRY_POINT_GROUP = "sovereign_fl.verifiers"
 BUILTIN_VERIFIERS = {
     "eat-jwt": "crypto.attestation.eat_jwt:EatJwtVerifier",
     "amd-sev-snp": "crypto.attestation.sev_snp:SevSnpVerifier",
+    "nvidia-nras": "crypto.attestation.nvidia_nras:NrasVerifier",
     "insecure-dev": "crypto.attestation.insecure_dev:InsecureDevVerifier",
 }
 
