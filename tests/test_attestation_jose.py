@@ -16,7 +16,7 @@ from cryptography.x509.oid import NameOID
 from pydantic import ValidationError
 
 from crypto.attestation import (
-    BadCertificateChain, BadSignature, EatJwtVerifier, UnknownSigningKey, UnsupportedAlgorithm,
+    BadCertificateChain, BadSignature, EatJwtVerifier, MalformedEvidence, UnknownSigningKey, UnsupportedAlgorithm,
     UnsupportedCriticalHeader, UntrustedRoot, WrongKeyType,
 )
 from crypto.attestation.jose import SUPPORTED_ALGS, Jwks, public_jwk, sign_jws, verify_jws
@@ -148,3 +148,18 @@ def test_x5c_chain_must_end_at_a_pinned_root() -> None:
         verify_jws(forged, None, ["ES384"], x5c_roots=[root], now=NOW)
     with pytest.raises(UnknownSigningKey):  # x5c but nothing pinned for it: never trusted as is
         verify_jws(token, None, ["ES384"], now=NOW)
+
+
+def test_a_second_spelling_of_the_signature_is_refused(es384, jwks) -> None:  # type: ignore[no-untyped-def]
+    """ES384 signatures are 96 bytes (no unused bits); an RS256 one is 256 bytes: its last base64url
+    character carries 4 unused bits, which must be zero."""
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    rjwks = Jwks.from_dict({"keys": [public_jwk(key, "r", "RS256")]})
+    token = sign_jws({"a": 1}, key, "RS256", "r")
+    alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"
+    last = alphabet.index(token[-1])
+    assert last & 0xF == 0
+    other = token[:-1] + alphabet[last | 1]
+    assert verify_jws(token, rjwks, ["RS256"])[1] == {"a": 1}
+    with pytest.raises(MalformedEvidence):
+        verify_jws(other, rjwks, ["RS256"])

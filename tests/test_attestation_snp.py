@@ -261,7 +261,7 @@ def test_verifiers_are_registered_entry_points() -> None:
     from crypto.attestation import available_verifiers, load_verifier_class
     project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
     eps = project["project"]["entry-points"]["sovereign_fl.verifiers"]
-    for name in ("amd-sev-snp", "eat-jwt", "nvidia-nras"):
+    for name in ("amd-sev-snp", "azure-maa", "eat-jwt", "nvidia-nras"):
         assert name in eps and name in available_verifiers()
         module, _, cls = eps[name].partition(":")
         assert load_verifier_class(name).__name__ == cls and load_verifier_class(name).__module__ == module

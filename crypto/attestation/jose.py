@@ -210,6 +210,10 @@ def verify_jws(token: Any, jwks: Jwks | None, algorithms: Collection[str], *, un
     if len(parts) != 3 or not all(is_b64url(p) for p in parts):
         raise MalformedEvidence("not a compact JWS (three unpadded base64url parts)")
     header = _part(parts[0], "header")
+    try:
+        unb64url(parts[2])  # canonical: no second spelling of the same signature (unused bits set)
+    except ValueError:
+        raise MalformedEvidence("the JWS signature is not canonical base64url") from None
     alg = header.get("alg")
     if not isinstance(alg, str) or alg not in SUPPORTED_ALGS or alg not in algorithms:
         raise UnsupportedAlgorithm(f"alg {str(alg)[:40]!r} is not in this verifier's list {list(algorithms)}")

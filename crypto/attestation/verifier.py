@@ -28,6 +28,7 @@ BUILTIN_VERIFIERS = {
     "eat-jwt": "crypto.attestation.eat_jwt:EatJwtVerifier",
     "amd-sev-snp": "crypto.attestation.sev_snp:SevSnpVerifier",
     "nvidia-nras": "crypto.attestation.nvidia_nras:NrasVerifier",
+    "azure-maa": "crypto.attestation.azure_maa:AzureMaaVerifier",
     "insecure-dev": "crypto.attestation.insecure_dev:InsecureDevVerifier",
 }
 
