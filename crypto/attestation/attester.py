@@ -15,6 +15,8 @@ BUILTIN_ATTESTERS = {
     "insecure-dev": "crypto.attestation.insecure_dev:InsecureDevAttester",
     "local-token": "crypto.attestation.testing:LocalTokenAttester",
     "nras-test": "crypto.attestation.testing:NrasTestAttester",
+    "amd-sev-snp": "crypto.attestation.sev_snp_attester:SevSnpAttester",
+    "amd-sev-snp-fake": "crypto.attestation.snp_testing:FakeDeviceSnpAttester",
 }
 
 

@@ -8,10 +8,15 @@ code that appraises genuine ones; only the pinned ARK fingerprint differs.
 
 from __future__ import annotations
 
+import ctypes
 import datetime as dt
 import hashlib
 import json
+import logging
 import os
+import shutil
+import struct
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +27,11 @@ from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
 from cryptography.x509.oid import NameOID
 
 from .sev_snp import _AMD_OID, _SPL_OID, _TCB_LAYOUT, REPORT_SIZE, SIGNED_SIZE
+from .sev_snp_attester import (
+    ARK_GUID, ASK_GUID, IOCTL_ARG, REQ_SIZE, SNP_GET_REPORT, VCEK_GUID, SevGuestIoctl, SevSnpAttester, make_cert_table,
+)
 
+log = logging.getLogger(__name__)
 _PSS = padding.PSS(mgf=padding.MGF1(hashes.SHA384()), salt_length=48)
 DEFAULT_TCB = {"bl": 3, "tee": 0, "snp": 8, "ucode": 115}
 
@@ -125,8 +134,9 @@ class TestAmdChain:
         r[SIGNED_SIZE + 72:SIGNED_SIZE + 144] = ss.to_bytes(72, "little")
         return bytes(r)
 
-    def save(self, directory: str | Path) -> Path:
-        """cert_chain.pem, vcek.der, vcek_key.pem (0600) and chip.json, for a fake device in another process."""
+    def save(self, directory: str | Path, *, measurement: bytes = b"\xa1" * 48, policy: int = 0x30000) -> Path:
+        """cert_chain.pem, vcek.der, vcek_key.pem (0600) and chip.json, for a fake device in another process
+        (whose reports carry ``measurement`` and ``policy``)."""
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         (d / "cert_chain.pem").write_bytes(self.cert_chain_pem())
@@ -136,7 +146,8 @@ class TestAmdChain:
         key.write_bytes(self.vcek_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                                     serialization.NoEncryption()))
         (d / "chip.json").write_text(json.dumps({"product": self.product, "chip_id": self.chip_id.hex(),
-                                                 "tcb": self.tcb, "ark_sha256": self.ark_fingerprint()}))
+                                                 "tcb": self.tcb, "ark_sha256": self.ark_fingerprint(),
+                                                 "measurement": measurement.hex(), "policy": policy}))
         return d
 
 
@@ -151,9 +162,81 @@ class SavedTestChip:
         self.vcek_key = serialization.load_pem_private_key((d / "vcek_key.pem").read_bytes(), None)
         self.cert_chain_path = d / "cert_chain.pem"
         self.ark_sha256 = meta["ark_sha256"]
+        self.measurement, self.policy = meta.get("measurement", "a1" * 48), int(meta.get("policy", 0x30000))
 
-    def report(self, report_data: bytes, *, vmpl: int = 0, measurement: bytes = b"\xa1" * 48,
-               policy: int = 0x30000) -> bytes:
+    def report(self, report_data: bytes, *, vmpl: int = 0, measurement: bytes | None = None,
+               policy: int | None = None) -> bytes:
+        measurement = bytes.fromhex(self.measurement) if measurement is None else measurement
+        policy = self.policy if policy is None else policy
         chain = TestAmdChain.__new__(TestAmdChain)
         chain.product, chain.tcb, chain.chip_id, chain.vcek_key = self.product, self.tcb, self.chip_id, self.vcek_key
         return chain.report(report_data, vmpl=vmpl, measurement=measurement, policy=policy)
+
+
+class FakeSevGuestDevice:
+    """A fake ``/dev/sev-guest``: answers ``SNP_GET_REPORT`` like the driver, reading the request and
+    writing MSG_REPORT_RSP through the pointers in ``struct snp_guest_request_ioctl``; the report is
+    signed by a test chip's VCEK. Pass ``.ioctl`` to :class:`SevGuestIoctl`."""
+
+    def __init__(self, chip: "TestAmdChain | SavedTestChip", *, status: int = 0):
+        self.chip, self.status, self.requests = chip, status, []  # type: list[tuple[bytes, int]]
+
+    def ioctl(self, fd: int, request: int, arg: bytearray, mutate: bool = True) -> int:
+        if request != SNP_GET_REPORT or not mutate:
+            raise OSError(25, "Inappropriate ioctl for device")
+        version, req_addr, resp_addr, _ = IOCTL_ARG.unpack(bytes(arg))
+        if version != 1:
+            raise OSError(22, "bad msg_version")
+        req = ctypes.string_at(req_addr, REQ_SIZE)
+        user_data, vmpl = req[:64], struct.unpack_from("<I", req, 64)[0]
+        self.requests.append((user_data, vmpl))
+        report = self.chip.report(user_data, vmpl=vmpl)
+        resp = struct.pack("<II", self.status, len(report)) + bytes(24) + report
+        ctypes.memmove(resp_addr, resp, len(resp))
+        return 0
+
+
+class FakeConfigfsKernel:
+    """configfs-tsm as the kernel presents it: ``mkdir`` makes the entry with its attribute files,
+    ``outblob`` (a FIFO) yields a report over the ``inblob`` written before it is read, ``auxblob``
+    holds the certificate table, ``rmdir`` removes the entry. Pass ``.mkdir``/``.rmdir`` to ConfigfsTsm."""
+
+    def __init__(self, chip: "TestAmdChain | SavedTestChip", *, with_certs: bool = True):
+        self.chip, self.with_certs, self.entries = chip, with_certs, []  # type: list[Path]
+
+    def mkdir(self, path: Path) -> None:
+        os.mkdir(path)
+        self.entries.append(Path(path))
+        (path / "provider").write_text("sev_guest\n")
+        (path / "generation").write_text("1\n")
+        vcek = self.chip.vcek_der if isinstance(self.chip, SavedTestChip) else self.chip.vcek_der()
+        table = make_cert_table({VCEK_GUID: vcek, ASK_GUID: b"ask", ARK_GUID: b"ark"}) if self.with_certs else b""
+        (path / "auxblob").write_bytes(table)
+        os.mkfifo(path / "outblob")
+
+        def answer() -> None:
+            with open(path / "outblob", "wb") as out:  # blocks until the guest reads outblob
+                privlevel = path / "privlevel"
+                vmpl = int(privlevel.read_text() or 0) if privlevel.exists() else 0
+                out.write(self.chip.report((path / "inblob").read_bytes(), vmpl=vmpl))
+
+        threading.Thread(target=answer, daemon=True).start()
+
+    def rmdir(self, path: Path) -> None:
+        shutil.rmtree(path)
+
+
+class FakeDeviceSnpAttester(SevSnpAttester):
+    """``amd-sev-snp-fake``: the real :class:`SevSnpAttester` over :class:`FakeSevGuestDevice` for a saved
+    test chip (``chip_dir``). For end-to-end tests only; the evidence is signed by a TEST VCEK."""
+
+    @classmethod
+    def from_config(cls, party: str, config: Any) -> "SevSnpAttester":
+        opts = dict(config)
+        d = Path(opts.pop("chip_dir"))
+        chip = SavedTestChip(d)
+        node = d / "sev-guest"
+        node.touch()
+        log.warning("amd-sev-snp-fake attester for %r: reports come from a TEST chip", party)
+        return SevSnpAttester(party, source=SevGuestIoctl(node, ioctl=FakeSevGuestDevice(chip).ioctl),
+                              vcek_path=str(d / "vcek.der"), **opts)
