@@ -191,3 +191,24 @@ def test_mutated_results_are_never_accepted_and_never_crash(nras, verifier, data
 
 
 _VALID: dict[str, str] = {}
+
+
+def test_command_attester_runs_the_sites_tool_and_the_verifier_admits_its_output(tmp_path) -> None:
+    """The `nvidia-nras` attester runs a configured command (here a stand-in for nvattest that asks a
+    test NRAS issuer) with the binding as {nonce} and sends what it prints."""
+    import sys
+
+    from crypto.attestation import create_attester
+    issuer = NrasTestIssuer()
+    d = issuer.save(tmp_path / "nras")
+    script = ("import sys; from crypto.attestation.testing import NrasTestIssuer as I; i = I.load(sys.argv[1]); "
+              "print('{\"nras\": %s}' % i.result({'GPU-0': i.gpu_claims(sys.argv[2])}))")
+    att = create_attester("nvidia-nras", "site-a", {"command": [sys.executable, "-c", script, str(d), "{nonce}"],
+                                                     "result_key": "nras"})
+    nonce, key = os.urandom(32), os.urandom(32)
+    result = NrasVerifier(issuer.verifier_config()).verify(att.attest(nonce, key), nonce=nonce)
+    assert result.measurements["gpu_count"] == "1"
+    failing = create_attester("nvidia-nras", "site-a", {"command": [sys.executable, "-c", "exit(3)", "{nonce}"]})
+    with pytest.raises(AttestationError) as exc:
+        failing.attest(nonce, key)
+    assert exc.value.reason == "attester_device_error"

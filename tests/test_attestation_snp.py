@@ -267,5 +267,5 @@ def test_verifiers_are_registered_entry_points() -> None:
         assert load_verifier_class(name).__name__ == cls and load_verifier_class(name).__module__ == module
     assert "attestation/data/*.json" in project["tool"]["setuptools"]["package-data"]["crypto"]
     from crypto.attestation.attester import ATTESTER_ENTRY_POINT_GROUP, BUILTIN_ATTESTERS
-    assert project["project"]["entry-points"][ATTESTER_ENTRY_POINT_GROUP]["amd-sev-snp"] == \
-        BUILTIN_ATTESTERS["amd-sev-snp"].replace(":", ":")
+    for name in ("amd-sev-snp", "nvidia-nras"):
+        assert project["project"]["entry-points"][ATTESTER_ENTRY_POINT_GROUP][name] == BUILTIN_ATTESTERS[name]

@@ -16,6 +16,7 @@ BUILTIN_ATTESTERS = {
     "local-token": "crypto.attestation.testing:LocalTokenAttester",
     "nras-test": "crypto.attestation.testing:NrasTestAttester",
     "amd-sev-snp": "crypto.attestation.sev_snp_attester:SevSnpAttester",
+    "nvidia-nras": "crypto.attestation.nvidia_nras_attester:NrasCommandAttester",
     "amd-sev-snp-fake": "crypto.attestation.snp_testing:FakeDeviceSnpAttester",
 }
 
