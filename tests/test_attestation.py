@@ -21,7 +21,7 @@ from crypto.attestation import (
 )
 from crypto.attestation import plugins as plugins_mod
 from crypto.attestation import verifier as verifier_mod
-from crypto.attestation.jws import Jwks, sign_jws
+from crypto.attestation.jose import Jwks, sign_jws
 from crypto.attestation.models import b64url
 from crypto.attestation.testing import GOOD_MEASUREMENT, LocalTokenAttester, LocalTokenIssuer
 

@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 from cryptography.x509.oid import NameOID
 
 from crypto.attestation import AttestationError, AttestationGate, MalformedEvidence, Policy
-from crypto.attestation.jws import Jwks
+from crypto.attestation.jose import Jwks
 from crypto.attestation.models import Evidence, numeric_date, parse_evidence, unb64url
 from crypto.envelope import Envelope, MalformedEnvelope, make_envelope, open_envelope
 from crypto.pki import PartyRecord, PkiMaterialError, TrustStore

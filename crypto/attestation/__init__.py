@@ -10,13 +10,14 @@ from .attester import (
 )
 from .eat_jwt import EatJwtConfig, EatJwtVerifier
 from .errors import (
-    AttestationError, BadSignature, DebugEnabled, InsecureVerifierRefused, KeyBindingMismatch, MalformedEvidence,
+    AttestationError, BadCertificateChain, BadSignature, DebugEnabled, InsecureVerifierRefused, KeyBindingMismatch, MalformedEvidence,
     MeasurementNotAllowed, NonceMismatch, ReplayedToken, TokenExpired, TokenNotYetValid, TokenTooOld, UnknownSigningKey,
-    UnknownVerifier, UnsupportedAlgorithm, VerifierNotAllowed, WrongAudience, WrongIssuer,
+    UnknownVerifier, UnsupportedAlgorithm, UnsupportedCriticalHeader, UntrustedRoot, VerifierNotAllowed, WrongAudience,
+    WrongIssuer, WrongKeyType,
 )
 from .gate import AttestationGate, appraise
 from .insecure_dev import InsecureDevAttester, InsecureDevConfig, InsecureDevVerifier
-from .jws import Jwks, verify_jws
+from .jose import Jwks, verify_jws
 from .models import AttestationResult, Challenge, Evidence, key_hash
 from .nonces import NonceCache
 from .policy import Policy
@@ -30,5 +31,6 @@ __all__ = [
     "MalformedEvidence", "MeasurementNotAllowed", "NonceCache", "NonceMismatch", "Policy", "ReplayedToken",
     "TokenExpired", "TokenNotYetValid", "TokenServiceAttester", "TokenTooOld", "UnknownSigningKey", "UnknownVerifier",
     "UnsupportedAlgorithm", "Verifier", "VerifierNotAllowed", "WrongAudience", "WrongIssuer", "available_verifiers",
-    "create_verifier", "key_hash", "load_verifier_class", "verify_jws",
+    "create_verifier", "key_hash", "load_verifier_class", "verify_jws", "BadCertificateChain",
+    "UnsupportedCriticalHeader", "UntrustedRoot", "WrongKeyType",
 ]

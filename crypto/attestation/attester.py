@@ -14,6 +14,10 @@ ATTESTER_ENTRY_POINT_GROUP = "sovereign_fl.attesters"
 BUILTIN_ATTESTERS = {
     "insecure-dev": "crypto.attestation.insecure_dev:InsecureDevAttester",
     "local-token": "crypto.attestation.testing:LocalTokenAttester",
+    "nras-test": "crypto.attestation.testing:NrasTestAttester",
+    "amd-sev-snp": "crypto.attestation.sev_snp_attester:SevSnpAttester",
+    "nvidia-nras": "crypto.attestation.nvidia_nras_attester:NrasCommandAttester",
+    "amd-sev-snp-fake": "crypto.attestation.snp_testing:FakeDeviceSnpAttester",
 }
 
 

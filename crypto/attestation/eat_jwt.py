@@ -18,12 +18,12 @@ import hashlib
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .errors import (
     KeyBindingMismatch, MalformedEvidence, NonceMismatch, TokenExpired, TokenNotYetValid, WrongAudience, WrongIssuer,
 )
-from .jws import Jwks, verify_jws
+from .jose import Jwks, check_algorithms, load_pem_roots, verify_jws
 from .models import AttestationResult, Evidence, b64url, key_hash, numeric_date, same_text, unb64url, utcnow
 from .verifier import Verifier
 
@@ -48,6 +48,8 @@ class EatJwtConfig(BaseModel):
 
     jwks: dict[str, Any] | None = None  # trusted service keys, inline ...
     jwks_path: str | None = None  # ... or from a file (air-gapped: no JWKS fetching)
+    x5c_roots_path: str | None = None  # PEM roots an x5c header chain must end at (never the token's own)
+    understood_crit: list[str] = Field(default_factory=list)  # header names a `crit` may list
     issuer: str
     audience: str | None = None
     algorithms: list[str] = Field(default_factory=lambda: ["ES256", "ES384", "RS256", "PS256", "EdDSA"])
@@ -61,10 +63,17 @@ class EatJwtConfig(BaseModel):
     clock_skew_s: float = Field(60.0, ge=0, le=600)
     require_iat: bool = True
 
+    @field_validator("algorithms")
+    @classmethod
+    def _explicit_algorithms(cls, v: list[str]) -> list[str]:
+        return check_algorithms(v)
+
     @model_validator(mode="after")
     def _one_jwks(self) -> "EatJwtConfig":
-        if (self.jwks is None) == (self.jwks_path is None):
-            raise ValueError("give exactly one of jwks or jwks_path")
+        if self.jwks is not None and self.jwks_path is not None:
+            raise ValueError("give one of jwks or jwks_path, not both")
+        if self.jwks is None and self.jwks_path is None and self.x5c_roots_path is None:
+            raise ValueError("give jwks or jwks_path (pinned token keys) or x5c_roots_path (pinned roots)")
         return self
 
 
@@ -86,7 +95,9 @@ class EatJwtVerifier(Verifier):
     def __init__(self, config: Any = None):
         super().__init__(config)
         c = self.config
-        self.jwks = Jwks.from_dict(c.jwks) if c.jwks is not None else Jwks.from_file(Path(c.jwks_path or ""))
+        self.jwks = (Jwks.from_dict(c.jwks) if c.jwks is not None
+                     else Jwks.from_file(Path(c.jwks_path)) if c.jwks_path is not None else None)
+        self.x5c_roots = load_pem_roots(c.x5c_roots_path) if c.x5c_roots_path else []
 
     def _encode_nonce(self, raw: bytes) -> str:
         return raw.hex() if self.config.nonce_encoding == "hex" else b64url(raw)
@@ -94,7 +105,8 @@ class EatJwtVerifier(Verifier):
     def verify(self, evidence: Evidence, *, nonce: bytes, now: dt.datetime | None = None) -> AttestationResult:
         c, now = self.config, now or utcnow()
         skew = dt.timedelta(seconds=c.clock_skew_s)
-        _, claims = verify_jws(evidence.payload, self.jwks, c.algorithms)
+        _, claims = verify_jws(evidence.payload, self.jwks, c.algorithms, understood_crit=c.understood_crit,
+                               x5c_roots=self.x5c_roots, now=now)
 
         if claims.get("iss") != c.issuer:
             raise WrongIssuer(f"iss {claims.get('iss')!r}, expected {c.issuer!r}")

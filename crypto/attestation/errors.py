@@ -80,3 +80,23 @@ class VerifierNotAllowed(AttestationError):
 
 class InsecureVerifierRefused(AttestationError):
     reason = "insecure_verifier_refused"
+
+
+class WrongKeyType(AttestationError):
+    """The pinned key for the token's kid is not a key for its alg (an RSA key offered for ES384)."""
+    reason = "wrong_key_type"
+
+
+class UnsupportedCriticalHeader(AttestationError):
+    """``crit`` names an extension the verifier does not implement (RFC 7515 4.1.11: refuse)."""
+    reason = "unsupported_critical_header"
+
+
+class UntrustedRoot(AttestationError):
+    """A certificate chain does not end at a pinned root."""
+    reason = "untrusted_root"
+
+
+class BadCertificateChain(AttestationError):
+    """A certificate chain to a pinned root does not validate (signature, validity, structure)."""
+    reason = "bad_certificate_chain"

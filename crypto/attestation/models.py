@@ -32,10 +32,14 @@ def is_b64url(text: Any) -> bool:
 
 
 def unb64url(text: str) -> bytes:
-    """Strict base64url without padding; ValueError otherwise."""
+    """Strict base64url without padding, in its one canonical form (unused trailing bits zero, so
+    no two texts decode to the same bytes); ValueError otherwise."""
     if not is_b64url(text):
         raise ValueError("not unpadded base64url")
-    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    data = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    if b64url(data) != text:
+        raise ValueError("non-canonical base64url (unused bits set)")
+    return data
 
 
 def load_json(data: bytes | str, what: str) -> Any:
@@ -65,6 +69,12 @@ def same_text(value: Any, expected: str) -> bool:
 def key_hash(public_key: bytes) -> bytes:
     """The key binding: SHA-256 of the attester's public key bytes (raw or DER, as exchanged)."""
     return hashlib.sha256(public_key).digest()
+
+
+def binding(nonce: bytes, public_key: bytes) -> bytes:
+    """The verifier nonce folded with the key hash, for evidence with a single user-data field
+    (SEV-SNP REPORT_DATA, NRAS ``eat_nonce``, Azure's client payload): SHA-256(nonce ‖ SHA-256(key))."""
+    return hashlib.sha256(nonce + key_hash(public_key)).digest()
 
 
 def utcnow() -> dt.datetime:

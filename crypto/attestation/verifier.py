@@ -22,8 +22,13 @@ from .plugins import available, load_class
 log = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "sovereign_fl.verifiers"
+# Also registered as entry points (pyproject.toml); listed here too so that no other package's
+# entry point can shadow them.
 BUILTIN_VERIFIERS = {
     "eat-jwt": "crypto.attestation.eat_jwt:EatJwtVerifier",
+    "amd-sev-snp": "crypto.attestation.sev_snp:SevSnpVerifier",
+    "nvidia-nras": "crypto.attestation.nvidia_nras:NrasVerifier",
+    "azure-maa": "crypto.attestation.azure_maa:AzureMaaVerifier",
     "insecure-dev": "crypto.attestation.insecure_dev:InsecureDevVerifier",
 }
 

@@ -24,8 +24,9 @@ DEV_MEASUREMENT_CLAIM = "measurement"
 
 
 class AttesterSpec(StrictModel):
-    """Which attester produces this party's evidence: `insecure-dev`, `local-token` (tests and
-    demos) or an installed `sovereign_fl.attesters` plug-in (SEV-SNP, TDX, GPU, ...)."""
+    """Which attester produces this party's evidence: `amd-sev-snp`, `nvidia-nras`, an installed
+    `sovereign_fl.attesters` plug-in (TDX, ...), or for tests and demos `insecure-dev`,
+    `local-token`, `nras-test`, `amd-sev-snp-fake` (crypto/attestation/README.md)."""
 
     kind: str
     config: dict[str, Any] = Field(default_factory=dict)

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from hypothesis import strategies as st
 
-from crypto.attestation import jws
+from crypto.attestation import jose as jws
 from crypto.attestation.models import Evidence, b64url, parse_evidence
 from crypto.envelope import Envelope, ReplayGuard, make_envelope, open_envelope
 from crypto.pki import TrustStore

@@ -22,7 +22,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa, x25519
 
 from crypto.attestation import AttestationGate, EatJwtVerifier, InsecureDevVerifier, Policy
-from crypto.attestation.jws import Jwks, public_jwk
+from crypto.attestation.jose import Jwks, public_jwk
 from crypto.attestation.testing import GOOD_MEASUREMENT
 from crypto.pki import PartyRecord, TrustStore
 from crypto.secagg import RoundContext, SecAggClient, SecAggConfig, SecAggServer, signing, wire

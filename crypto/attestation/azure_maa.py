@@ -1,0 +1,138 @@
+"""``azure-maa``: Microsoft Azure Attestation tokens for SEV-SNP and TDX confidential VMs.
+
+Evidence (``Evidence.payload``) is the token MAA returned to the VM (guest attestation). Checked
+offline: RS256 (configurable, never HS* or none) under the instance's signing keys pinned from a
+file (``https://<instance>/certs``, saved once), the exact tenant issuer, ``exp``/``nbf``/``iat``
+with bounded skew, the TEE type (``x-ms-attestation-type`` of ``x-ms-isolation-tee``, or of the
+token itself for direct SNP attestation) in the allowed set, the compliance status, the debug
+claims of that TEE false, and the nonce in ``x-ms-runtime.client-payload`` equal to the binding
+(nonce folded with the key hash). Launch measurement and host data (SNP) or MRTD and RTMRs (TDX)
+become measurements; the claim names are configuration.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from .eat_jwt import claim_at
+from .errors import AttestationError, MalformedEvidence, NonceMismatch, TokenExpired, TokenNotYetValid, WrongIssuer
+from .jose import Jwks, check_algorithms, verify_jws
+from .models import AttestationResult, Evidence, b64url, binding, key_hash, numeric_date, same_text, unb64url, utcnow
+from .verifier import Verifier
+
+
+class WrongAttestationType(AttestationError):
+    reason = "wrong_attestation_type"
+
+
+class NotCompliant(AttestationError):
+    reason = "not_compliant"
+
+
+def _default_debug() -> dict[str, dict[str, Any]]:
+    return {"sevsnpvm": {"x-ms-sevsnpvm-is-debuggable": False}, "tdxvm": {"tdx_td_attributes_debug": False}}
+
+
+def _default_measurements() -> dict[str, list[str]]:
+    return {"sevsnpvm": ["x-ms-sevsnpvm-launchmeasurement", "x-ms-sevsnpvm-hostdata"],
+            "tdxvm": ["tdx_mrtd", "tdx_rtmr0", "tdx_rtmr1", "tdx_rtmr2", "tdx_rtmr3"]}
+
+
+class AzureMaaConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    jwks: dict[str, Any] | None = None  # the instance's signing keys, pinned inline ...
+    jwks_path: str | None = None  # ... or in a file saved from https://<instance>/certs
+    issuer: str  # exactly the instance URL, e.g. https://myattest.weu.attest.azure.net
+    algorithms: list[str] = Field(default_factory=lambda: ["RS256"])
+    understood_crit: list[str] = Field(default_factory=list)
+    clock_skew_s: float = Field(60.0, ge=0, le=600)
+    attestation_types: list[Literal["sevsnpvm", "tdxvm"]] = Field(default_factory=lambda: ["sevsnpvm", "tdxvm"])
+    compliance_claim: str = "x-ms-compliance-status"
+    allowed_compliance: list[str] = Field(default_factory=lambda: ["azure-compliant-cvm"])
+    nonce_claim: str = "x-ms-runtime.client-payload.nonce"
+    nonce_encoding: Literal["base64", "base64url", "hex"] = "base64"
+    # TEE type -> claim -> the value that means "debug is off"; any other value (or none) is debug
+    debug_claims: dict[str, dict[str, Any]] = Field(default_factory=_default_debug)
+    measurement_claims: dict[str, list[str]] = Field(default_factory=_default_measurements)
+
+    @field_validator("algorithms")
+    @classmethod
+    def _explicit_algorithms(cls, v: list[str]) -> list[str]:
+        return check_algorithms(v)
+
+    @model_validator(mode="after")
+    def _one_jwks(self) -> "AzureMaaConfig":
+        if (self.jwks is None) == (self.jwks_path is None):
+            raise ValueError("give exactly one of jwks or jwks_path (the pinned instance keys)")
+        return self
+
+
+class AzureMaaVerifier(Verifier):
+    name: ClassVar[str] = "azure-maa"
+    config_model: ClassVar[type[BaseModel]] = AzureMaaConfig
+    config: AzureMaaConfig
+
+    def __init__(self, config: Any = None):
+        super().__init__(config)
+        c = self.config
+        self.jwks = Jwks.from_dict(c.jwks) if c.jwks is not None else Jwks.from_file(Path(c.jwks_path or ""))
+
+    def encode_nonce(self, raw: bytes) -> str:
+        enc = self.config.nonce_encoding
+        return raw.hex() if enc == "hex" else b64url(raw) if enc == "base64url" else base64.b64encode(raw).decode()
+
+    def verify(self, evidence: Evidence, *, nonce: bytes, now: dt.datetime | None = None) -> AttestationResult:
+        c, now = self.config, now or utcnow()
+        _, claims = verify_jws(evidence.payload, self.jwks, c.algorithms, understood_crit=c.understood_crit, now=now)
+        if not same_text(claims.get("iss"), c.issuer):
+            raise WrongIssuer(f"iss {str(claims.get('iss'))[:80]!r}, expected {c.issuer!r}")
+        skew = dt.timedelta(seconds=c.clock_skew_s)
+        if "exp" not in claims or "iat" not in claims:
+            raise MalformedEvidence("token has no exp or iat")
+        exp, iat = numeric_date(claims["exp"], "exp"), numeric_date(claims["iat"], "iat")
+        if now > exp + skew:
+            raise TokenExpired(f"expired at {exp.isoformat()}")
+        if "nbf" in claims and now + skew < numeric_date(claims["nbf"], "nbf"):
+            raise TokenNotYetValid(f"not valid before {claims['nbf']}")
+        if now + skew < iat:
+            raise TokenNotYetValid(f"issued in the future ({iat.isoformat()})")
+
+        tee = claims.get("x-ms-isolation-tee")
+        tee = tee if isinstance(tee, dict) else claims  # guest attestation nests the TEE's claims
+        kind = tee.get("x-ms-attestation-type")
+        if kind not in c.attestation_types:
+            raise WrongAttestationType(f"x-ms-attestation-type {str(kind)[:40]!r}, allowed {c.attestation_types}")
+        status = tee.get(c.compliance_claim, claims.get(c.compliance_claim))
+        if status not in c.allowed_compliance:
+            raise NotCompliant(f"{c.compliance_claim} is {str(status)[:60]!r}, allowed {c.allowed_compliance}")
+
+        try:
+            claimed_key, ev_nonce = evidence.public_key_bytes(), unb64url(evidence.nonce)
+        except ValueError:
+            raise MalformedEvidence("evidence nonce/public_key is not base64url") from None
+        if ev_nonce != nonce:
+            raise NonceMismatch("evidence answers another challenge")
+        got = claim_at(claims, c.nonce_claim)
+        if got is None:
+            raise NonceMismatch(f"token has no {c.nonce_claim} (no client payload carrying the nonce)")
+        if not same_text(got, self.encode_nonce(binding(nonce, claimed_key))):
+            raise NonceMismatch(f"{c.nonce_claim} does not bind this challenge and key")
+
+        debug: bool | None = None
+        for claim, off in c.debug_claims.get(kind, {}).items():
+            if claim in tee:
+                value = tee[claim]
+                debug = bool(debug) or not (type(value) is type(off) and value == off)
+        measurements = {name: str(tee[name]).lower() for name in c.measurement_claims.get(kind, []) if name in tee}
+        measurements["attestation_type"] = kind
+        return AttestationResult(
+            verifier=self.name, attester=evidence.attester, issuer=claims.get("iss"), nonce=b64url(nonce),
+            key_hash=b64url(key_hash(claimed_key)), measurements=measurements, debug=debug, issued_at=iat,
+            expires_at=exp, claims=claims,
+        )
