@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -108,3 +109,29 @@ def test_bad_links_are_refused():
         ShapedLink(rate_mbit=0, rtt_ms=10)
     with pytest.raises(ValueError):
         ShapedLink(rate_mbit=10, rtt_ms=-1)
+
+
+def test_grpc_calls_cross_the_link_as_flower_s_do():
+    """What the sites' SuperNodes speak to the SuperLink: gRPC (HTTP/2) on one long-lived connection."""
+    from concurrent import futures
+
+    import grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "probe", {"Echo": grpc.unary_unary_rpc_method_handler(lambda request, context: request[::-1])}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with ShapedLink(rate_mbit=50, rtt_ms=10) as link:
+            local = link.forward(("127.0.0.1", port))
+            with grpc.insecure_channel(f"127.0.0.1:{local}") as channel:
+                echo = channel.unary_unary("/probe/Echo")
+                big = os.urandom(3 << 20)
+                assert echo(big, timeout=60) == big[::-1]
+                for i in range(5):  # small calls on the open connection: each one round trip at least
+                    t = time.perf_counter()
+                    assert echo(bytes([i]) * 10, timeout=30) == bytes([i]) * 10
+                    assert time.perf_counter() - t >= 0.010 - 0.001
+    finally:
+        server.stop(None)
