@@ -137,11 +137,13 @@ def _run_fedavg(
     alpha: float = 0.5,
     seed: int = 0,
     eval_every: int = 0,
+    federation: dict | None = None,
 ) -> FedResult:
     """FedAvg with every site's delta sent through ``codec`` (``None``: uncompressed float32).
 
     ``secagg`` runs the secure-aggregation round (its clip is the codec's, or 1.0 for identity);
-    ``downlink`` is the coordinator's ``downlink_codec``. Defaults (300 rounds of one local epoch,
+    ``downlink`` is the coordinator's ``downlink_codec``; ``federation`` adds other federation
+    fields (e.g. ``{"strategy": "diloco"}``). Defaults (300 rounds of one local epoch,
     lr 0.5, batch 16) bring uncompressed FedAvg to ~97% test accuracy; one local epoch keeps
     client drift small, which is what top-k + error feedback is sensitive to.
     """
@@ -167,7 +169,7 @@ def _run_fedavg(
     with task_identity(RUN_ID):
         coord = coordinator(workdir, model, sites, codec=spec, error_feedback=error_feedback, seed=seed,
                             downlink_codec=downlink, rounds=rounds,
-                            secagg={"enabled": secagg, "clip": clip})
+                            secagg={"enabled": secagg, "clip": clip}, **(federation or {}))
         for rnd in range(1, rounds + 1):
             line = coord.run_round(rnd)
             assert line["status"] == "aggregated", line["failed"]

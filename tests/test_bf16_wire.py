@@ -44,6 +44,7 @@ def _trainer(s: int, workdir: Path, seen: list) -> FunctionTrainer:
     ({"codec": "bf16"}, 2 * NUMEL, "<u2"),  # a codec reads the words as their float32 values
     ({"secagg": {"enabled": True, "clip": 1.0}}, 4 * (NUMEL + 1), "<u2"),  # masked ring words (+ the weight)
     ({"downlink_codec": "int8"}, 2 * NUMEL, "<f4"),  # a downlink codec's reference is float32
+    ({"strategy": "diloco", "secagg": {"enabled": True, "clip": 1.0}}, 4 * (NUMEL + 1), "<u2"),  # outer Nesterov
 ])
 def test_bf16_updates_travel_as_words_and_average_in_float32(tmp_path, federation, upload, down):
     initial = {k: bf16_bits(np.ones(s, np.float32)) for k, s in SHAPES.items()}  # as initial_weights gives bf16
@@ -63,8 +64,9 @@ def test_bf16_updates_travel_as_words_and_average_in_float32(tmp_path, federatio
         assert set(line["downlink"]["bytes"].values()) == {sent(initial)}
         assert sent({k: np.ones(s, np.float32) for k, s in SHAPES.items()}) - sent(initial) == 2 * NUMEL
     assert [s["upload_bytes"] for s in line["sites"].values()] == [upload, upload]
-    mean = (COUNTS[0] * STEPS[0] + COUNTS[1] * STEPS[1]) / sum(COUNTS)
-    bound = line["secagg"]["error_bound"] if "secagg" in line else 0.0
+    scale = 0.7 * 1.9 if federation.get("strategy") == "diloco" else 1.0  # a first outer step: lr (1 + momentum)
+    mean = scale * (COUNTS[0] * STEPS[0] + COUNTS[1] * STEPS[1]) / sum(COUNTS)
+    bound = scale * line["secagg"]["error_bound"] if "secagg" in line else 0.0
     for k, v in coord.model.items():
         assert v.dtype == np.float32
         np.testing.assert_allclose(v, 1.0 + mean, rtol=0, atol=bound)

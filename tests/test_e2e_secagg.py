@@ -11,9 +11,11 @@ Each site handles two messages per round (train, unmask), plus discovery and, fo
 round out or whose train message failed, one query carrying its next setup.
 Sites dump their encoded ring vectors (test-only node config `secagg-dump-dir`) and their plaintext
 updates (`dump_updates`), so the test checks that the unmasked ring sum is exactly the sum of the
-contributors' encoded inputs, and that the decoded average is within the quantization bound of the
-plaintext weighted average. Every site holds its provisioned bundle: all SecAgg messages are signed
-and verified (sites check their neighbours' relayed keys), and none is rejected.
+contributors' encoded inputs, that the decoded average is within the quantization bound of the
+plaintext weighted average, and that the coordinator's outer optimizer (strategy diloco: Nesterov
+momentum, its buffer carried over the aborted round) stepped on exactly that decoded average. Every
+site holds its provisioned bundle: all SecAgg messages are signed and verified (sites check their
+neighbours' relayed keys), and none is rejected.
 
 TLS is off and a proxy records every byte between the sites and the SuperLink (a wire audit):
 masking alone keeps each update unreadable, so neither a site's plaintext update nor its encoded
@@ -62,6 +64,7 @@ def test_secagg_exact_sums_dropouts_at_each_stage_abort_and_recovery(tmp_path, m
     monkeypatch.setenv(launcher.MARKER, marker)
     cfg = {
         "federation": {"name": "secagg-e2e", "rounds": 4, "quorum": 2, "update_kind": "delta", "evaluate": False,
+                       "strategy": "diloco",
                        "deadlines": {"connect_s": 60, "round_s": 60, "secagg_stage_s": 30, "trainer_start_s": 120},
                        "secagg": {"enabled": True, "threshold": 3, "neighbours": 3, "clip": CLIP, "bits": 32}},
         "workload": {"task": "digits", "options": {"hidden": 16}},
@@ -90,6 +93,7 @@ def test_secagg_exact_sums_dropouts_at_each_stage_abort_and_recovery(tmp_path, m
     from site_trainer.workloads import initial_weights
 
     previous = initial_weights(load_config(path).workload, 0)
+    momentum = np.zeros_like(_model_flat(previous))  # DiLoCo's buffer, by hand: lr 0.7, momentum 0.9, Nesterov
     for rnd, line in enumerate(lines, start=1):
         info = line["secagg"]
         if line["status"] != "aggregated":
@@ -113,9 +117,12 @@ def test_secagg_exact_sums_dropouts_at_each_stage_abort_and_recovery(tmp_path, m
         assert bound == pytest.approx(info["error_bound"]) and bound < 1e-6
         assert np.abs(decoded - plain).max() <= bound, f"round {rnd}"
         assert np.abs(plain).max() > 1e-3  # training moved the model: this is not a sum of zeros
-        # FedAvg on deltas: the new global model moved by exactly that decoded mean
-        _, model, _ = load_checkpoint(run / "checkpoints" / f"round_{rnd:04d}")
-        np.testing.assert_allclose(_model_flat(model) - _model_flat(previous), decoded, rtol=0, atol=2e-6)
+        # the outer step on exactly that decoded mean (the pseudo-gradient is its negative)
+        momentum = 0.9 * momentum + decoded
+        _, model, opt = load_checkpoint(run / "checkpoints" / f"round_{rnd:04d}")
+        np.testing.assert_allclose(_model_flat(model) - _model_flat(previous), 0.7 * (decoded + 0.9 * momentum),
+                                   rtol=0, atol=2e-6)
+        np.testing.assert_allclose(_model_flat({k[2:]: v for k, v in opt.items()}), momentum, rtol=0, atol=2e-6)
         previous = model
 
     r1, r2, r3, r4 = lines

@@ -268,7 +268,7 @@ def _metrics(coord):
     return [json.loads(x) for x in coord.metrics_path.read_text().splitlines()]
 
 
-@pytest.mark.parametrize("strategy", ["fedadam", "fedavg"])
+@pytest.mark.parametrize("strategy", ["fedadam", "fedavg", "diloco"])
 def test_a_run_interrupted_in_round_2_resumes_to_the_same_model_bit_for_bit(tmp_path, strategy):
     cfg = _cfg(strategy=strategy)
     ref, ref_result, _ = _run(tmp_path / "ref", cfg)

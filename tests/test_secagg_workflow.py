@@ -387,6 +387,23 @@ def test_fedadam_gets_a_mean_update_like_plain_rounds(tmp_path):
         np.testing.assert_allclose(coord.model[k], ref[k], rtol=0, atol=1e-5)
 
 
+
+def test_diloco_outer_steps_on_the_unmasked_means(tmp_path):
+    """strategy diloco under SecAgg+: the coordinator sees only the sum, and its Nesterov steps over
+    three rounds are those of the plaintext means (the momentum buffer carries across rounds)."""
+    coord, _ = make(tmp_path, n=4, strategy="diloco", secagg={"threshold": 2})
+    assert (coord.opt.lr, coord.opt.momentum, coord.opt.nesterov) == (0.7, 0.9, True)
+    ref, want = ServerOptimizer("diloco", "delta", 0.7, momentum=0.9, nesterov=True), dict(coord.model)
+    for rnd in (1, 2, 3):
+        line = coord.train_round(rnd)
+        assert line["status"] == "aggregated" and line["secagg"]["contributors"] == list("abcd")
+        mean = expected_mean(coord, rnd, list("abcd"), line["secagg"]["clip"])
+        want = ref.step(want, {k: v.astype(np.float32) for k, v in mean.items()})
+        for k in SHAPES:
+            np.testing.assert_allclose(coord.model[k], want[k], rtol=0, atol=1e-5)
+            np.testing.assert_allclose(coord.opt.buf[k], ref.buf[k], rtol=0, atol=1e-5)
+    assert sorted(coord.opt.state()) == sorted(f"b/{k}" for k in SHAPES)
+
 # ---- the site handlers on their own --------------------------------------------------------------
 
 def _msg(records: dict, kind: str = "query", node: int = 77) -> Message:

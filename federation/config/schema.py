@@ -52,12 +52,18 @@ class FederationConfig(StrictModel):
     rounds: int = Field(3, ge=1, description="rounds to run")
     sites_per_round: int | None = Field(None, ge=1, description="sample this many sites; all if unset")
     quorum: int = Field(1, ge=1, description="fewest successful sites for a round to count")
-    strategy: Literal["fedavg", "fedadam", "fedyogi"] = Field("fedavg", description="the server optimizer")
+    strategy: Literal["fedavg", "fedadam", "fedyogi", "diloco"] = Field(
+        "fedavg", description="the server (outer) optimizer; diloco: SGD with Nesterov momentum on the mean delta")
     update_kind: Literal["weights", "delta"] = Field("delta", description="what sites send back")
-    server_lr: float | None = Field(None, gt=0, description="default: 1.0 for fedavg, 0.05 otherwise")
+    server_lr: float | None = Field(None, gt=0, description="default: 1.0 for fedavg, 0.7 for diloco, "
+                                    "0.05 for fedadam/fedyogi")
     server_beta1: float = Field(0.9, ge=0, lt=1)
     server_beta2: float = Field(0.99, ge=0, lt=1)
     server_tau: float = Field(1e-3, gt=0)
+    server_momentum: float | None = Field(None, ge=0, lt=1, description="diloco only: the outer momentum "
+                                          "(default 0.9, DiLoCo's)")
+    server_nesterov: bool | None = Field(None, description="diloco only: Nesterov momentum (default true, "
+                                         "DiLoCo's); false: heavy-ball")
     evaluate: bool = Field(True, description="evaluate the global model on every site after each round")
     seed: int = Field(0, description="sampling, round seeds of shared-seed codecs, downlink steps")
     deadlines: Deadlines = Deadlines()
@@ -96,13 +102,33 @@ class FederationConfig(StrictModel):
             raise ValueError(f"codec: {err}") from None
         return self
 
+    @model_validator(mode="after")
+    def _server_fields_fit_strategy(self) -> "FederationConfig":
+        # a setting the chosen optimizer would ignore is a mistake the user should hear about
+        given = [f for f in ("server_momentum", "server_nesterov") if getattr(self, f) is not None]
+        if given and self.strategy != "diloco":
+            raise ValueError(f"{' and '.join(given)} only apply to strategy diloco (strategy is {self.strategy}): "
+                             "remove them or set strategy: diloco")
+        return self
+
     @property
     def effective_server_lr(self) -> float:
-        """server_lr, or its default for the strategy (1.0 for FedAvg, 0.05 for FedAdam/FedYogi)."""
-        # FedAdam/FedYogi steps are normalised, so lr 1.0 would move every weight by ~1 per round.
+        """server_lr, or its default for the strategy (1.0 for FedAvg, 0.7 for DiLoCo, 0.05 for FedAdam/FedYogi)."""
+        # FedAdam/FedYogi steps are normalised, so lr 1.0 would move every weight by ~1 per round;
+        # DiLoCo's 0.7 with Nesterov momentum 0.9 is the paper's outer recipe (Douillard et al. 2023).
         if self.server_lr is not None:
             return self.server_lr
-        return 1.0 if self.strategy == "fedavg" else 0.05
+        return {"fedavg": 1.0, "diloco": 0.7}.get(self.strategy, 0.05)
+
+    @property
+    def effective_server_momentum(self) -> float:
+        """server_momentum, or DiLoCo's 0.9."""
+        return 0.9 if self.server_momentum is None else self.server_momentum
+
+    @property
+    def effective_server_nesterov(self) -> bool:
+        """server_nesterov, or DiLoCo's true."""
+        return True if self.server_nesterov is None else self.server_nesterov
 
 
 class ExperimentConfig(StrictModel):

@@ -3,7 +3,10 @@
 Updates are folded into one float64 accumulator as they arrive (memory O(P), not O(N·P)).
 FedAvg takes the mean as the new model (weights) or adds it scaled by the server learning rate
 (deltas); FedAdam and FedYogi (Reddi et al., ICLR 2021) treat the averaged delta as a
-pseudo-gradient. Pure numpy.
+pseudo-gradient, and so does DiLoCo's outer optimizer (Douillard et al. 2023): SGD with Nesterov
+momentum on the pseudo-gradient g = global - mean(site models) = -(mean delta). Every state array
+is float32 and every step float32 arithmetic in a fixed order, so a resumed run that loads the
+state from a checkpoint takes bit for bit the steps of the run that never stopped. Pure numpy.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ class WeightedMean:
 
 @dataclass
 class ServerOptimizer:
-    """Applies the round's mean update to the global model; keeps FedAdam/FedYogi moments."""
+    """Applies the round's mean update to the global model; keeps FedAdam/FedYogi moments and
+    DiLoCo's momentum buffer (the state a checkpoint holds)."""
 
     strategy: str = "fedavg"
     update_kind: str = "delta"
@@ -53,8 +57,11 @@ class ServerOptimizer:
     beta1: float = 0.9
     beta2: float = 0.99
     tau: float = 1e-3
+    momentum: float = 0.9  # diloco
+    nesterov: bool = True  # diloco; False: heavy-ball momentum
     m: Arrays = field(default_factory=dict)
     v: Arrays = field(default_factory=dict)
+    buf: Arrays = field(default_factory=dict)  # diloco's momentum buffer, in the direction of the mean delta
 
     def step(self, model: Arrays, mean_update: Arrays) -> Arrays:
         """The next global model from the round's mean update (weights or delta, per update_kind)."""
@@ -63,6 +70,8 @@ class ServerOptimizer:
             if self.update_kind == "weights" and self.lr == 1.0:
                 return {k: mean_update[k].astype(np.float32) for k in model}
             return {k: (model[k] + self.lr * delta[k]).astype(np.float32) for k in model}
+        if self.strategy == "diloco":
+            return self._outer_sgd(model, delta)
         out = {}
         for k in model:
             d = delta[k].astype(np.float32)
@@ -77,11 +86,28 @@ class ServerOptimizer:
             out[k] = (model[k] + self.lr * m / (np.sqrt(v) + self.tau)).astype(np.float32)
         return out
 
+    def _outer_sgd(self, model: Arrays, delta: Arrays) -> Arrays:
+        """DiLoCo's outer step, torch.optim.SGD's (dampening 0) on g = -delta, written for delta:
+        b <- momentum*b + delta; step = delta + momentum*b (Nesterov) or b; model + lr*step.
+
+        A fresh buffer is zero, so the first round's buffer is the delta itself, as in torch."""
+        out = {}
+        for k in model:
+            d = delta[k].astype(np.float32)
+            b = self.buf.get(k)
+            b = d.copy() if b is None else (self.momentum * b + d).astype(np.float32)
+            self.buf[k] = b
+            step = (d + self.momentum * b).astype(np.float32) if self.nesterov else b
+            out[k] = (model[k] + self.lr * step).astype(np.float32)
+        return out
+
     def state(self) -> Arrays:
-        """The moments to checkpoint (m/<name>, v/<name>)."""
-        return {**{f"m/{k}": v for k, v in self.m.items()}, **{f"v/{k}": v for k, v in self.v.items()}}
+        """The state to checkpoint (m/<name>, v/<name>: FedAdam/FedYogi; b/<name>: diloco)."""
+        return {**{f"m/{k}": v for k, v in self.m.items()}, **{f"v/{k}": v for k, v in self.v.items()},
+                **{f"b/{k}": v for k, v in self.buf.items()}}
 
     def load_state(self, arrays: Arrays) -> None:
-        """Restore moments written by `state`."""
+        """Restore the state written by `state`."""
         self.m = {k[2:]: v for k, v in arrays.items() if k.startswith("m/")}
         self.v = {k[2:]: v for k, v in arrays.items() if k.startswith("v/")}
+        self.buf = {k[2:]: v for k, v in arrays.items() if k.startswith("b/")}

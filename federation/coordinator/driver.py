@@ -117,7 +117,9 @@ class Coordinator:
         self.base_check = BaseCheck(manifest)  # the task's manifest: sites with another base are refused
         self.wire_copy = WireCopy(self.spec)  # the dense model down: bf16 tensors as their words
         self.opt = ServerOptimizer(self.fed.strategy, self.fed.update_kind, self.fed.effective_server_lr,
-                                   self.fed.server_beta1, self.fed.server_beta2, self.fed.server_tau)
+                                   self.fed.server_beta1, self.fed.server_beta2, self.fed.server_tau,
+                                   momentum=self.fed.effective_server_momentum,
+                                   nesterov=self.fed.effective_server_nesterov)
         self.bundle = bundle
         self.replay = ReplayGuard()  # one per run: a (run, round, site) envelope opens once
         self.protocol: Strategy = PlainRound(self.fed, bundle, self.replay)

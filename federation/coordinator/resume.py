@@ -4,7 +4,8 @@ After every round (aggregated or skipped) the driver calls `checkpoint_round`, b
 metrics line reaches metrics.jsonl. The checkpoint (checkpoint.py) holds everything the next
 round depends on, so a resumed run is the run that would have happened:
 
-- the global model and the server optimizer's state (FedAdam/FedYogi moments);
+- the global model and the server optimizer's state (FedAdam/FedYogi moments, DiLoCo's momentum
+  buffer);
 - the round number; the seed schedule (`round_seed` of every round done, checked on resume
   against this code's schedule, so an upgrade that changed it is caught, not silently mixed);
 - the downlink reference model, its encoded steps and step counter (sites train on the
