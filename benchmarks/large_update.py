@@ -9,7 +9,8 @@ Both sides run real processes on loopback, started by the project's launcher:
   path (coordinator/bulk_server.py), SuperLink with its database as in production;
 - Flower: `flwr run` of benchmarks/flower_fedavg_app (flwr.serverapp.strategy.FedAvg as shipped,
   a NumPy ClientApp), on an in-memory SuperLink (the database one fails at this size, issue 19),
-  the same number of sites and the same parameter shapes (read from our run's checkpoint), 1 round.
+  the same number of sites and the same parameter shapes (read from our run's checkpoint), random
+  weights (Flower stores chunks by content: a zero model would travel as one chunk), 1 round.
 
 Per hop: ours, the bytes each site's ClientApp moved on the data path over the seconds it took
 (`bulk_down_*`, `bulk_up_*` of the metrics lines: TLS, chunk hashing on both ends, files written on
@@ -175,7 +176,7 @@ def main() -> None:
     bytes_moved = seconds = 0.0
     for name, (lines, mem, wall) in out.items():
         for line in lines:
-            stage = next((s for s in line["timing"]["stages"] if s["stage"] in ("train", "secagg stage 3")), None)
+            stage = next((s for s in line["timing"]["stages"] if s["stage"] in ("train", "secagg stage 3 (train)")), None)
             sites = line["sites"]
             moved = sum(s.get("bulk_up_bytes", 0) + s.get("bulk_down_bytes", 0) for s in sites.values())
             took = sum(s.get("bulk_up_s", 0) + s.get("bulk_down_s", 0) for s in sites.values())
@@ -195,7 +196,7 @@ def main() -> None:
     flower_rate = float("nan")
     if not args.skip_flower:
         t0 = time.monotonic()
-        flower = run_flower(wd, wd / "sealed.yaml", shapes, 1, database=False, timeout_s=3600)
+        flower = run_flower(wd, wd / "sealed.yaml", shapes, 1, database=False, timeout_s=3600, random_init=True)
         r = flower["rounds"]["1"]
         transfer = r["train_s"] - r.get("train_work_s", 0.0)
         flower_rate = 6 * model_mb / transfer

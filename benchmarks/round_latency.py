@@ -77,7 +77,7 @@ def model_shapes(workdir: Path) -> list[list[int]]:
 
 
 def run_flower(workdir: Path, config: Path, shapes: list[list[int]], rounds: int, database: bool = True,
-               timeout_s: float = 120) -> dict:
+               timeout_s: float = 120, random_init: bool = False) -> dict:
     """Flower's FedAvg on a deployment started like ours (TLS, SuperNode auth, same flags; the
     SuperLink's state in memory without `database`); each stage waits up to `timeout_s`."""
     cfg = load_config(config)
@@ -97,7 +97,7 @@ def run_flower(workdir: Path, config: Path, shapes: list[list[int]], rounds: int
         for s in cfg.sites:  # no trainer: the anchor's ClientApp is NumPy only
             launcher.start_supernode(sup, s, f"127.0.0.1:{port}", "unused", pki / "sites" / s.id)
         shapes_text = json.dumps(shapes, separators=(",", ":"))  # no spaces: --run-config splits on them
-        run_config = f'shapes="{shapes_text}" rounds={rounds} sites={len(cfg.sites)} out="{out}" timeout={timeout_s:g}'
+        run_config = f'shapes="{shapes_text}" rounds={rounds} sites={len(cfg.sites)} out="{out}" timeout={timeout_s:g} random-init={int(random_init)}'
         run = sup.start("flwr-run", [launcher._bin("flwr"), "run", str(ANCHOR_APP), "sovfl", "--run-config",
                                      run_config, "--stream"])
         end = time.monotonic() + 120 + rounds * 3 * timeout_s

@@ -78,7 +78,11 @@ def main(grid: Grid, context: Context) -> None:
     cfg = context.run_config
     shapes = json.loads(str(cfg["shapes"]))
     n = int(cfg["sites"])
-    initial = ArrayRecord({f"p{i}": Array(np.zeros(s, np.float32)) for i, s in enumerate(shapes)})
+    # random weights when bytes matter: Flower stores 5 MiB chunks by content, so a zero model would
+    # travel as one chunk (benchmarks/large_update.py)
+    rng = np.random.default_rng(0) if int(cfg.get("random-init", 0)) else None
+    initial = ArrayRecord({f"p{i}": Array(rng.standard_normal(s, dtype=np.float32) if rng else np.zeros(s, np.float32))
+                           for i, s in enumerate(shapes)})
     strategy = TimedFedAvg(min_train_nodes=n, min_evaluate_nodes=n, min_available_nodes=n)
     strategy.start(grid=grid, initial_arrays=initial, num_rounds=int(cfg["rounds"]),
                    timeout=float(cfg.get("timeout", 120)))

@@ -63,7 +63,8 @@ class PlainRound:
         """Decode, check and fold one site's update; a bad one is rejected with its reason."""
         content = reply.message.content
         try:
-            payload = from_records(content, keys.UPDATE, keys.UPDATE_META)
+            # read-only views into the reply (a sealed body is decrypted straight from the data path's map)
+            payload = from_records(content, keys.UPDATE, keys.UPDATE_META, copy=False)
             payload = st.pipeline.decode(payload, st.inp.ctx.for_site(reply.name))
             arrays = to_master(payload.arrays, st.inp.spec)  # bf16 words: exact float32 (accumulated so)
             check_update(arrays, master_spec(st.inp.spec))
