@@ -17,11 +17,11 @@ import datetime as dt
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field
 
 from .eat_jwt import claim_at
 from .errors import AttestationError, MalformedEvidence, NonceMismatch, TokenExpired, TokenNotYetValid, WrongIssuer
-from .jose import Jwks, check_algorithms, verify_jws
+from .jose import Jwks, PinnedTokenConfig, verify_jws
 from .models import AttestationResult, Evidence, b64url, binding, key_hash, numeric_date, same_text, unb64url, utcnow
 from .verifier import Verifier
 
@@ -43,15 +43,11 @@ def _default_measurements() -> dict[str, list[str]]:
             "tdxvm": ["tdx_mrtd", "tdx_rtmr0", "tdx_rtmr1", "tdx_rtmr2", "tdx_rtmr3"]}
 
 
-class AzureMaaConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class AzureMaaConfig(PinnedTokenConfig):
+    """jwks/jwks_path: the instance's signing keys (a file saved from https://<instance>/certs)."""
 
-    jwks: dict[str, Any] | None = None  # the instance's signing keys, pinned inline ...
-    jwks_path: str | None = None  # ... or in a file saved from https://<instance>/certs
     issuer: str  # exactly the instance URL, e.g. https://myattest.weu.attest.azure.net
     algorithms: list[str] = Field(default_factory=lambda: ["RS256"])
-    understood_crit: list[str] = Field(default_factory=list)
-    clock_skew_s: float = Field(60.0, ge=0, le=600)
     attestation_types: list[Literal["sevsnpvm", "tdxvm"]] = Field(default_factory=lambda: ["sevsnpvm", "tdxvm"])
     compliance_claim: str = "x-ms-compliance-status"
     allowed_compliance: list[str] = Field(default_factory=lambda: ["azure-compliant-cvm"])
@@ -60,17 +56,6 @@ class AzureMaaConfig(BaseModel):
     # TEE type -> claim -> the value that means "debug is off"; any other value (or none) is debug
     debug_claims: dict[str, dict[str, Any]] = Field(default_factory=_default_debug)
     measurement_claims: dict[str, list[str]] = Field(default_factory=_default_measurements)
-
-    @field_validator("algorithms")
-    @classmethod
-    def _explicit_algorithms(cls, v: list[str]) -> list[str]:
-        return check_algorithms(v)
-
-    @model_validator(mode="after")
-    def _one_jwks(self) -> "AzureMaaConfig":
-        if (self.jwks is None) == (self.jwks_path is None):
-            raise ValueError("give exactly one of jwks or jwks_path (the pinned instance keys)")
-        return self
 
 
 class AzureMaaVerifier(Verifier):

@@ -25,6 +25,7 @@ from cryptography.x509.verification import (
     ExtensionPolicy, PolicyBuilder, Store, VerificationError,
 )
 from joserfc import jws as jrfc_jws
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from joserfc.errors import BadSignatureError, JoseError, SecurityWarning, UnsupportedAlgorithmError
 from joserfc.jwk import ECKey, OKPKey, RSAKey
 from joserfc.registry import HeaderParameter
@@ -52,6 +53,30 @@ def check_algorithms(algorithms: Collection[str]) -> list[str]:
         raise ValueError(f"algorithms {bad or algs} not allowed; choose from {list(SUPPORTED_ALGS)} "
                          "(HS*, none, JWE and PBES2 are never accepted for attestation tokens)")
     return algs
+
+
+class PinnedTokenConfig(BaseModel):
+    """What every verifier of signed tokens pins: its keys (inline or a file, never fetched), the
+    algorithms it accepts (explicit, never HS*/none), the `crit` names it understands, its clock skew."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    jwks: dict[str, Any] | None = None  # the issuer's signing keys, pinned inline ...
+    jwks_path: str | None = None  # ... or in a file (air-gapped: never fetched)
+    algorithms: list[str]
+    understood_crit: list[str] = Field(default_factory=list)
+    clock_skew_s: float = Field(60.0, ge=0, le=600)
+
+    @field_validator("algorithms")
+    @classmethod
+    def _explicit_algorithms(cls, v: list[str]) -> list[str]:
+        return check_algorithms(v)
+
+    @model_validator(mode="after")
+    def _one_jwks(self) -> "PinnedTokenConfig":
+        if (self.jwks is None) == (self.jwks_path is None):
+            raise ValueError("give exactly one of jwks or jwks_path (the issuer's pinned signing keys)")
+        return self
 
 
 class _Registry(jrfc_jws.JWSRegistry):

@@ -23,12 +23,12 @@ import hashlib
 from pathlib import Path
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field
 
 from .errors import (
     AttestationError, MalformedEvidence, NonceMismatch, TokenExpired, TokenNotYetValid, WrongIssuer,
 )
-from .jose import Jwks, check_algorithms, verify_jws
+from .jose import Jwks, PinnedTokenConfig, verify_jws
 from .models import AttestationResult, Evidence, b64url, binding, key_hash, load_json, numeric_date, same_text, \
     unb64url, utcnow
 from .verifier import Verifier
@@ -68,30 +68,16 @@ class SecureBootOff(AttestationError):
     reason = "secure_boot_off"
 
 
-class NrasConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class NrasConfig(PinnedTokenConfig):
+    """jwks/jwks_path: the NRAS token-signing keys."""
 
-    jwks: dict[str, Any] | None = None  # the NRAS token-signing keys, pinned inline ...
-    jwks_path: str | None = None  # ... or in a file (air-gapped: never fetched)
     issuer: str = "https://nras.attestation.nvidia.com"
     detached_issuer: str | None = None  # None: the same as issuer
     algorithms: list[str] = Field(default_factory=lambda: ["ES384"])
-    understood_crit: list[str] = Field(default_factory=list)
-    clock_skew_s: float = Field(60.0, ge=0, le=600)
     min_gpus: int = Field(1, ge=1, le=MAX_GPUS)
     required_overall_claims: dict[str, Any] = Field(default_factory=lambda: {"x-nvidia-overall-att-result": True})
     required_detached_claims: dict[str, Any] = Field(default_factory=lambda: dict(DEFAULT_DETACHED_CLAIMS))
 
-    @field_validator("algorithms")
-    @classmethod
-    def _explicit_algorithms(cls, v: list[str]) -> list[str]:
-        return check_algorithms(v)
-
-    @model_validator(mode="after")
-    def _one_jwks(self) -> "NrasConfig":
-        if (self.jwks is None) == (self.jwks_path is None):
-            raise ValueError("give exactly one of jwks or jwks_path (the pinned NRAS JWKS)")
-        return self
 
 
 def matches(value: Any, required: Any) -> bool:
