@@ -51,7 +51,10 @@ def decode(data: bytes) -> Any:
     """A JSON object from the other end (ValueError if it is not one)."""
     if len(data) > 4 << 20:
         raise ValueError("control message over 4 MiB")
-    obj = json.loads(bytes(data).decode())
+    try:
+        obj = json.loads(bytes(data).decode())
+    except RecursionError:  # json's parser recurses once per nesting level
+        raise ValueError("control message nested too deeply") from None
     if not isinstance(obj, dict):
         raise ValueError("control message is not a JSON object")
     return obj
