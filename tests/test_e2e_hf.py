@@ -5,8 +5,10 @@ then `sovfl export` of the run.
 Two federations, each checked for several things (a federation costs about a minute here):
 - LoRA on chat data (format chat: synthetic compliance conversations, the loss on assistant tokens
   only), SecAgg+ on, 3 rounds with evaluation, sites a and b with 2 ranks each, and site c whose base
-  model has other weights: the completion-only eval loss falls round after round; c is refused by
-  name at discovery and every round completes with a and b; only
+  model has other weights. Site a runs the built-in task; site b runs the example's Hugging Face
+  Trainer script through the callback (`sites[].script`: examples/compliance_sft/train_with_trainer.py,
+  DDP through the Trainer's accelerate). The completion-only eval loss falls round after round; c
+  is refused by name at discovery and every round completes with a and b; only
   the adapters travel (bytes up per site: the adapter's values as 32-bit ring words, plus the
   weight word; not the model); each new global adapter is the weighted mean of the deltas the
   sites returned (their `dump_updates` files) within the SecAgg quantization bound (< 1e-6); both
@@ -25,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import assert_weighted_mean_rounds, live_marked, sovfl, write_config
+from conftest import ROOT, assert_weighted_mean_rounds, live_marked, sovfl, write_config
 from federation.coordinator.checkpoint import load_checkpoint
 from federation.ops import launcher
 from hf_models import tiny_llama, write_corpus
@@ -45,8 +47,6 @@ def base(tmp_path_factory) -> Path:
 def compliance_data():
     """The example's synthetic compliance conversations (examples/compliance_sft/compliance_data.py)."""
     import importlib.util
-
-    from conftest import ROOT
 
     spec = importlib.util.spec_from_file_location("compliance_data",
                                                   ROOT / "examples" / "compliance_sft" / "compliance_data.py")
@@ -122,7 +122,9 @@ def test_lora_chat_secagg_two_sites_two_ranks_refused_base_and_export(tmp_path, 
 
     other = tiny_llama(tmp_path / "other-base", seed=1, chat=True)  # same architecture, other weights
     chat_site = {**SITE, "lr": 0.02}
-    sites = [{"id": "a", "ranks": 2, "partition": 0, **chat_site}, {"id": "b", "ranks": 2, "partition": 1, **chat_site},
+    script = ROOT / "examples" / "compliance_sft" / "train_with_trainer.py"  # b: a Trainer with the callback
+    sites = [{"id": "a", "ranks": 2, "partition": 0, **chat_site},
+             {"id": "b", "ranks": 2, "partition": 1, **chat_site, "script": str(script)},
              {"id": "c", "ranks": 1, "partition": 2, **chat_site, "workload_options": {"model_dir": str(other)}}]
     cfg = {"federation": {"name": "hf-lora", "rounds": 3, "quorum": 2, "update_kind": "delta", "evaluate": True,
                           "deadlines": DEADLINES,
@@ -136,8 +138,11 @@ def test_lora_chat_secagg_two_sites_two_ranks_refused_base_and_export(tmp_path, 
     assert [line["eval_model_round"] for line in lines] == [0, 1, 2]
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
     assert losses[-1] < losses[0] - 0.1, losses
-    trainer_log = (run / "logs" / "site-a-trainer.log").read_text()
-    assert "completion token(s) to learn" in trainer_log and "packed" in trainer_log
+    for s in ("a", "b"):  # the same chat data path (b's script reads it through hf_callback.site_data)
+        trainer_log = (run / "logs" / f"site-{s}-trainer.log").read_text()
+        assert "completion token(s) to learn" in trainer_log and "packed" in trainer_log
+    b_log = (run / "logs" / "site-b-trainer.log").read_text()
+    assert "rank 0: federation ended" in b_log and "rank 1: federation ended" in b_log  # train() returned on stop
 
     # c is left out by name before any update is averaged, counted once; the rounds go on with a and b
     assert "site c REFUSED" in log and "frozen base weights differ" in log
