@@ -169,12 +169,14 @@ class FederatedCallback(TrainerCallback):
 
     def _evaluate(self, rnd) -> None:
         """Collective: the Trainer's evaluation of the global model on every rank; its eval_loss is the
-        site's (the Trainer already averaged it over ranks), weighted by the validation set's size."""
+        site's (the Trainer already averaged it over ranks), weighted by the validation set's size
+        (its completion tokens for `site_data()`'s chat rows, as the built-in loop counts them)."""
         if self.trainer.eval_dataset is None:
             rnd.report(num_examples=0, loss=0.0)
             return
         metrics = self.trainer.evaluate()
-        n = len(self.trainer.eval_dataset)
+        ds = self.trainer.eval_dataset  # chat rows (site_data): weighted by completion tokens, as the built-in loop
+        n = int(getattr(ds, "targets", 0) or len(ds))
         rnd.report(num_examples=n if self.rank == 0 else 0, loss=float(metrics.get("eval_loss", float("nan"))))
 
     def _report(self, state) -> None:
