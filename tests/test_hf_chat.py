@@ -298,3 +298,44 @@ def test_task_trains_and_evaluates_on_completion_tokens(tmp_path, chat_llama_dir
         opt.step()
         opt.zero_grad()
     assert eval_loss() < before - 0.1
+
+
+# ---- the site's PII scrubber on chat rows ---------------------------------------------------------
+PII_ROWS = [
+    {"messages": [{"role": "system", "content": "Compliance desk."},
+                  {"role": "user", "content": "Freeze the account DE89370400440532013000 of jeanne.martin@banque-exemple.fr?"},
+                  {"role": "assistant", "content": "Yes; write to jeanne.martin@banque-exemple.fr once it is frozen."}]},
+    {"prompt": "Who logged in from 192.168.12.34?", "completion": "An operator; the log is kept five years."},
+]
+PII_VALUES = ["DE89370400440532013000", "jeanne.martin@banque-exemple.fr", "192.168.12.34"]
+
+
+def test_the_sites_pii_scrubber_runs_on_every_message_and_sovfl_scrub_reads_chat_rows(tmp_path, chat_llama_dir):  # noqa: F811
+    from site_trainer.config import SiteConfig
+    from site_trainer.pii import transform
+
+    data = tmp_path / "data"
+    jsonl(data / "a.jsonl", PII_ROWS * 3)
+    site = SiteConfig(id="paris", partition=0)
+    opts = Options.model_validate({"model_dir": str(chat_llama_dir), "data": str(data / "*"), "seq_len": 256,
+                                   "format": "chat", "val_fraction": 0.0})
+
+    def build(work: Path):
+        transforms = transform.site_transforms(site.pii, CausalLM, work, site.id)
+        task = CausalLM(opts, TaskContext(role="site", site=site.id, workdir=work, document_transforms=transforms))
+        task.build_data()
+        return task, transforms
+
+    # sovfl scrub's path first: it fills the scrubber's cache from the chat rows' messages
+    report, skipped = transform.scrub_documents([(data / "a.jsonl", None)], site.pii, tmp_path / "work",
+                                                text_field=None)
+    assert skipped == {} and report.documents == 3 * 5  # every message's content, not the template
+    task, transforms = build(tmp_path / "work")
+    assert transforms[0].scrubber.report.documents_cached == transforms[0].scrubber.report.documents == 15
+    ids = np.fromfile(task.token_cache.path / "train.tokens", np.dtype(task.token_cache.index["dtype"]))
+    text = task.tokenizer.decode(ids.tolist())
+    assert not [v for v in PII_VALUES if v in text]
+    assert text.count("<EMAIL_ADDRESS>") == 6 and text.count("<IBAN_CODE>") == 3 and text.count("<IP_ADDRESS>") == 3
+    assert text.count("<|im_start|>assistant") == 6  # the template's own tokens are untouched
+    metrics = transform.round_metrics(transforms)
+    assert metrics["pii_EMAIL_ADDRESS"] == 6 and metrics["pii_IBAN_CODE"] == 3 and metrics["pii_IP_ADDRESS"] == 3
