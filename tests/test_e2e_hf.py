@@ -32,7 +32,7 @@ from federation.coordinator.checkpoint import load_checkpoint
 from federation.ops import launcher
 from hf_models import tiny_llama, write_corpus
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow(seconds=250)]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow(seconds=300)]
 
 DEADLINES = {"connect_s": 120, "round_s": 180, "evaluate_s": 120, "secagg_stage_s": 60, "trainer_start_s": 240}
 SITE = {"local_steps": 3, "batch_size": 4, "lr": 0.01, "optimizer": "adamw", "dump_updates": True}

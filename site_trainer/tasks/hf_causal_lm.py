@@ -18,6 +18,10 @@ is constructed, before any process group work starts: missing files, a `seq_len`
 model's context, a tokenizer larger than the embedding, LoRA target modules that match nothing,
 and, on sites, data patterns that match nothing or match unreadable or unsupported files.
 
+With `format: chat` the site's data are .jsonl conversations or prompt-completion rows, rendered
+with the tokenizer's chat template and learned on the assistant's tokens only
+(`site_trainer.chat_data`); otherwise raw text, every token learned.
+
 The site's text goes through `site_trainer.text_data` (see its docstring): streamed, transformed
 (the site's PII scrubber first, then `options.transforms`), tokenized once per site, cached by
 content hash and read from a memory map. Only the adapters travel with LoRA (the framework's
