@@ -8,7 +8,11 @@ when asked. None of the framework's code runs here.
     torchrun --nproc-per-node K benchmarks/_plain_hf.py SPEC.json
 
 SPEC.json: {model_dir, files, seq_len, batch_size, grad_accum, lr, warmup_steps, total_steps,
-lora: {r, alpha, dropout, target_modules} | null, steps, untimed_steps, bf16, seed}.
+lora: {r, alpha, dropout, target_modules} | null, steps, untimed_steps, bf16, seed, chat}.
+With `chat` (the SFT row): the files are .jsonl conversations, each rendered and tokenized with the
+tokenizer's chat template (`apply_chat_template`), cut at seq_len, packed whole into rows of
+seq_len tokens with position ids restarting per conversation (transformers then keeps attention
+inside each), the loss on every real token (masking some targets changes no compute).
 Rank 0 prints one JSON line: tokens/s and samples/s over the timed steps (after the untimed ones).
 """
 
@@ -40,6 +44,37 @@ def packed(files: list[str], tokenizer, seq_len: int) -> torch.Tensor:
     return torch.stack([flat[i * seq_len:i * seq_len + seq_len + 1] for i in range(n)])
 
 
+def packed_chat(files: list[str], tokenizer, seq_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input ids, position ids, labels) rows of seq_len tokens: whole conversations, next fit."""
+    convs = []
+    for f in files:
+        for line in Path(f).read_text(encoding="utf-8").splitlines():
+            row = json.loads(line)
+            msgs = row.get("messages") or [{"role": "user", "content": row["prompt"]},
+                                           {"role": "assistant", "content": row["completion"]}]
+            convs.append(tokenizer.apply_chat_template(msgs, tokenize=True, return_dict=True)["input_ids"][:seq_len])
+    rows, current = [], []
+    for c in convs:
+        if sum(map(len, current)) + len(c) > seq_len:
+            rows.append(current)
+            current = []
+        current.append(c)
+    rows.append(current)
+    pad = tokenizer.pad_token_id
+    ids = torch.full((len(rows), seq_len), pad)
+    pos = torch.zeros((len(rows), seq_len), dtype=torch.long)
+    labels = torch.full((len(rows), seq_len), -100)
+    for r, row in enumerate(rows):
+        at = 0
+        for c in row:
+            ids[r, at:at + len(c)] = torch.tensor(c)
+            labels[r, at + 1:at + len(c)] = torch.tensor(c[1:])
+            pos[r, at:at + len(c)] = torch.arange(len(c))
+            at += len(c)
+        pos[r, at:] = torch.arange(seq_len - at)
+    return ids, pos, labels
+
+
 def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_schedule_with_warmup
 
@@ -57,7 +92,11 @@ def main() -> None:
                                                  target_modules=lo["target_modules"], task_type="CAUSAL_LM"))
     model.train()
     tok = AutoTokenizer.from_pretrained(spec["model_dir"], local_files_only=True)
-    data = packed(spec["files"], tok, spec["seq_len"])
+    chat = bool(spec.get("chat"))
+    if chat:
+        data, positions, labels = packed_chat(spec["files"], tok, spec["seq_len"])
+    else:
+        data = packed(spec["files"], tok, spec["seq_len"])
     mine = torch.arange(len(data))[rank::world]
     if world > 1:
         model = DDP(model)
@@ -72,11 +111,17 @@ def main() -> None:
         loss = torch.zeros(())
         for _ in range(steps):
             for i in range(k):
-                ids = data[mine[torch.randint(len(mine), (b,), generator=gen)]]
+                pick = mine[torch.randint(len(mine), (b,), generator=gen)]
+                ids = data[pick]
                 sync = model.no_sync() if world > 1 and i < k - 1 else contextlib.nullcontext()
                 with sync, autocast:
-                    logits = model(input_ids=ids[:, :-1], use_cache=False).logits
-                    loss = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
+                    if chat:
+                        logits = model(input_ids=ids, position_ids=positions[pick], use_cache=False).logits
+                        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[pick][:, 1:].flatten(),
+                                               ignore_index=-100)
+                    else:
+                        logits = model(input_ids=ids[:, :-1], use_cache=False).logits
+                        loss = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
                 (loss / k).backward()
             opt.step()
             sched.step()

@@ -1,6 +1,9 @@
 """Fine-tuning a Hugging Face causal LM: the site trainer service against a plain transformers loop.
 
-One run, side by side, for LoRA and for full fine-tuning of the same local model on the same text:
+One run, side by side, for LoRA and for full fine-tuning of the same local model on the same text,
+and for LoRA on chat data (the SFT row: `format: chat`, synthetic compliance conversations from
+examples/compliance_sft, rendered with the model's chat template, packed with position ids
+restarting per conversation; the plain loop renders and packs them the same way in memory):
   plain — benchmarks/_plain_hf.py under torchrun: from_pretrained, peft, the text tokenized in
           memory, DDP, fused AdamW, transformers' warm-up + cosine schedule; a few untimed steps,
           then `--steps` timed steps;
@@ -22,8 +25,8 @@ directory; the text: Python standard-library sources as .txt files. Nothing is d
     python benchmarks/hf_finetune.py [--ranks 1] [--steps 20] [--repeats 5]
 
 Last line:
-    RESULT lora_ratio=<ours/plain> full_ratio=<ours/plain> lora_bytes_ratio=<full / lora update bytes>
-(targets: both ratios >= 0.95 on CPU).
+    RESULT lora_ratio=<ours/plain> full_ratio=<ours/plain> sft_ratio=<ours/plain> lora_bytes_ratio=<full / lora>
+(targets: the three ratios >= 0.95 on CPU). `--modes sft` runs the SFT row alone.
 """
 
 from __future__ import annotations
@@ -59,12 +62,19 @@ def build_inputs(tmp: Path, args) -> tuple[Path, list[Path]]:
 
     model_dir = hf_models.tiny_llama(tmp / "model", hidden=args.hidden, layers=args.layers, heads=args.hidden // 32,
                                      kv_heads=max(1, args.hidden // 64), context=2 * args.seq_len,
-                                     vocab_size=args.vocab)
+                                     vocab_size=args.vocab, chat=True)
     files = hf_models.write_corpus(tmp / "data" / SITE, files=12, bytes_per_file=25_000)
+    sys.path.insert(0, str(ROOT / "examples" / "compliance_sft"))
+    import compliance_data
+
+    compliance_data.write_site(tmp / "chat" / SITE, 0, rows=1000)
     return model_dir, files
 
 
-def task_options(model_dir: Path, tmp: Path, seq_len: int, lora: dict | None) -> dict:
+def task_options(model_dir: Path, tmp: Path, seq_len: int, lora: dict | None, chat: bool = False) -> dict:
+    if chat:
+        return {"model_dir": str(model_dir), "format": "chat", "data": str(tmp / "chat" / "{site}" / "train.jsonl"),
+                "seq_len": seq_len, "val_fraction": 0.0, "lora": lora}
     return {"model_dir": str(model_dir), "data": str(tmp / "data" / "{site}" / "*.txt"), "seq_len": seq_len,
             "val_fraction": 0.0, "lora": lora}
 
@@ -148,7 +158,9 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--modes", default="lora,full,sft", help="rows to run: lora, full, sft (chat data)")
     args = ap.parse_args()
+    modes = [m for m in ("lora", "full", "sft") if m in args.modes.split(",")]
     args.rounds = args.repeats  # the service's run length, for its cosine schedule
     with tempfile.TemporaryDirectory(prefix="sovfl-hfbench-") as d:
         tmp = Path(d)
@@ -164,12 +176,14 @@ def main() -> None:
             missing = err
             print(f"ours: cannot run in this checkout: {err}; timing the plain loop only, no RESULT", flush=True)
         results: dict[str, dict] = {}
-        for mode, lora in (("lora", LORA), ("full", None)):
-            spec = {"model_dir": str(model_dir), "files": [str(f) for f in files], "seq_len": args.seq_len,
+        for mode in modes:
+            lora, chat = (None if mode == "full" else LORA), mode == "sft"
+            data = [str(tmp / "chat" / SITE / "train.jsonl")] if chat else [str(f) for f in files]
+            spec = {"model_dir": str(model_dir), "files": data, "seq_len": args.seq_len,
                     "batch_size": args.batch, "grad_accum": 1, "lr": args.lr, "warmup_steps": args.warmup,
                     "total_steps": 2 * args.steps, "lora": lora, "steps": args.steps, "untimed_steps": 3,
-                    "bf16": False, "seed": 0}
-            r = results[mode] = measure(tmp, mode, task_options(model_dir, tmp, args.seq_len, lora), spec, args,
+                    "bf16": False, "seed": 0, "chat": chat}
+            r = results[mode] = measure(tmp, mode, task_options(model_dir, tmp, args.seq_len, lora, chat), spec, args,
                                         missing is None)
             line = f"{mode}: plain best {max(r['plain']):,.0f} (median {statistics.median(r['plain']):,.0f}) tokens/s"
             if missing is None:
@@ -178,9 +192,10 @@ def main() -> None:
             print(line, flush=True)
         if missing is not None:
             raise SystemExit(2)
-        lo, fu = results["lora"], results["full"]
-        print(f"RESULT lora_ratio={max(lo['ours']) / max(lo['plain']):.3f} "
-              f"full_ratio={max(fu['ours']) / max(fu['plain']):.3f} lora_bytes_ratio={fu['bytes'] / lo['bytes']:.1f}")
+        ratios = " ".join(f"{m}_ratio={max(results[m]['ours']) / max(results[m]['plain']):.3f}" for m in modes)
+        extra = (f" lora_bytes_ratio={results['full']['bytes'] / results['lora']['bytes']:.1f}"
+                 if {"lora", "full"} <= set(modes) else "")
+        print(f"RESULT {ratios}{extra}")
 
 
 if __name__ == "__main__":

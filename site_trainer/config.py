@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from site_trainer.pii.config import PiiConfig
 
@@ -132,11 +132,24 @@ class SiteConfig(StrictModel):
         default_factory=PiiConfig,
         description="PII scrubbing of the site's raw text before tokenization (tasks that read text, e.g. "
                     "hf-causal-lm); default: on, every pattern entity, masked. Ignored by other tasks")
+    # A site that joins with its own torchrun script (a Hugging Face Trainer with
+    # site_trainer.hf_callback, or any session user) while the federation's workload is a task: the
+    # script must build the task's model (the manifest is checked) and reads the same options.
+    script: str | None = Field(None, description="this site's own torchrun script instead of the workload's task "
+                                                 "or script (absolute, or relative to the config file)")
+    script_args: list[str] = Field(default_factory=list, description="the site script's command-line arguments")
     # Multi-node sites: one torchrun per node, joined by torchrun's c10d rendezvous.
     nnodes: int = Field(1, ge=1, le=64, description="nodes of this site; each runs `ranks` processes")
     rdzv_endpoint: str | None = Field(
         None, pattern=r"^[A-Za-z0-9_.\[\]:-]+:[0-9]{1,5}$",
         description="host:port of the rendezvous store on node 0; required when nnodes > 1")
+
+    @field_validator("script")
+    @classmethod
+    def _script_path(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value and not Path(value).is_absolute():
+            return str((Path((info.context or {}).get("config_dir") or Path.cwd()) / value).resolve())
+        return value
 
     @model_validator(mode="before")
     @classmethod
@@ -192,6 +205,15 @@ class TrainerConfig(StrictModel):
 
         check_site(self.workload, self.site)
         return self
+
+    @property
+    def script(self) -> tuple[str, list[str]] | None:
+        """The script this site runs with its arguments (the site's own, else the workload's), or None."""
+        if self.site.script is not None:
+            return self.site.script, list(self.site.script_args)
+        if self.workload.script is not None:
+            return self.workload.script, list(self.workload.args)
+        return None
 
     @property
     def options(self) -> dict[str, Any]:

@@ -49,15 +49,16 @@ def run(cfg: TrainerConfig, node_rank: int = 0) -> None:
 
 
 def run_script(cfg: TrainerConfig, config_path: str, node_rank: int = 0) -> None:
-    """Run the workload's script as `__main__`, as `python script.py args...` would, with the
+    """Run the site's script (`site.script`, else `workload.script`) as `__main__`, as `python script.py
+    args...` would, with the
     trainer configuration in $SOVFL_TRAINER_CONFIG (and the node-ordered rank in $RANK)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    script = str(cfg.workload.script)
+    script, args = cfg.script
     os.environ[ENV_CONFIG] = str(Path(config_path).resolve())
     os.environ[ENV_NODE_RANK] = str(node_rank)
     if cfg.site.nnodes > 1:
         os.environ["RANK"] = str(node_ordered_rank(cfg.site, node_rank))
-    sys.argv = [script, *cfg.workload.args]
+    sys.argv = [script, *args]
     sys.path.insert(0, str(Path(script).resolve().parent))
     try:
         runpy.run_path(script, run_name="__main__")
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(int(os.environ.get("SOVFL_TORCH_THREADS", "1")))
     standalone_env(cfg)
     try:
-        if cfg.workload.script is not None:
+        if cfg.script is not None:  # the workload's script, or this site's own (site.script)
             run_script(cfg, args.config, args.node_rank)
         else:
             run(cfg, args.node_rank)

@@ -150,9 +150,16 @@ class CorpusStats:
     changed: Counter = field(default_factory=Counter)  # transform fingerprint -> pieces rewritten
     tokens: Counter = field(default_factory=Counter)  # split -> tokens
     split_documents: Counter = field(default_factory=Counter)  # split -> documents
+    bad_by_file: dict = field(default_factory=dict)  # file -> {reason: count}
+    # chat data (site_trainer/chat_data.py): per split, conversations cut at seq_len and the tokens
+    # the loss is computed on (assistant / completion tokens)
+    truncated: Counter = field(default_factory=Counter)
+    targets: Counter = field(default_factory=Counter)
 
     def bad_line(self, reason: str, where: str) -> None:
         self.bad_lines[reason] += 1
+        per_file = self.bad_by_file.setdefault(where.rsplit(":", 1)[0], {})
+        per_file[reason] = per_file.get(reason, 0) + 1
         examples = self.bad_line_examples.setdefault(reason, [])
         if len(examples) < REPORT_BAD_LINES:
             examples.append(where)
@@ -192,7 +199,9 @@ def _txt_pieces(path: Path, piece_chars: int) -> Iterator[str]:
             yield "".join(buf)
 
 
-def _jsonl_documents(path: Path, text_field: str, stats: CorpusStats) -> Iterator[str]:
+def jsonl_objects(path: Path, stats: CorpusStats) -> Iterator[tuple[str, dict]]:
+    """(`file:line`, object) for each line of a .jsonl file that is a JSON object; blank lines are
+    passed over, other lines (over-long, not UTF-8, not JSON, not an object) counted by reason."""
     with path.open("rb") as f:
         for lineno in itertools.count(1):
             raw = f.readline(MAX_LINE_BYTES)
@@ -216,17 +225,23 @@ def _jsonl_documents(path: Path, text_field: str, stats: CorpusStats) -> Iterato
                 continue
             if not isinstance(obj, dict):
                 stats.bad_line("not a JSON object", where)
-            elif text_field not in obj:
-                stats.bad_line(f"no {text_field!r} field", where)
-            elif not isinstance(obj[text_field], str):
-                stats.bad_line(f"{text_field!r} is not a string", where)
-            elif not _encodable(obj[text_field]):
-                stats.bad_line(f"{text_field!r} holds an unpaired surrogate (invalid Unicode)", where)
-            else:
-                yield obj[text_field]
+                continue
+            yield where, obj
 
 
-def _encodable(text: str) -> bool:
+def _jsonl_documents(path: Path, text_field: str, stats: CorpusStats) -> Iterator[str]:
+    for where, obj in jsonl_objects(path, stats):
+        if text_field not in obj:
+            stats.bad_line(f"no {text_field!r} field", where)
+        elif not isinstance(obj[text_field], str):
+            stats.bad_line(f"{text_field!r} is not a string", where)
+        elif not encodable(obj[text_field]):
+            stats.bad_line(f"{text_field!r} holds an unpaired surrogate (invalid Unicode)", where)
+        else:
+            yield obj[text_field]
+
+
+def encodable(text: str) -> bool:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
@@ -336,7 +351,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return h.hexdigest()
 
 
-class _Progress:
+class Progress:
     """Rank 0's heartbeat for the waiting ranks (a small JSON file) and a log line every 30 s."""
 
     def __init__(self, path: Path, nonce: str, total_bytes: int):
@@ -347,7 +362,7 @@ class _Progress:
         now = time.monotonic()
         if force or now - self.last_beat >= 2.0:
             self.last_beat, self.beats = now, self.beats + 1
-            _write_json(self.path, {"nonce": self.nonce, "beat": self.beats, "files": stats.files,
+            write_json(self.path, {"nonce": self.nonce, "beat": self.beats, "files": stats.files,
                                     "bytes": stats.bytes, "tokens": sum(stats.tokens.values())})
         if now - self.last_log >= 30.0:
             self.last_log = now
@@ -356,7 +371,7 @@ class _Progress:
                      stats.bytes / 1e6 / max(now - self.t0, 1e-9))
 
 
-def _write_json(path: Path, obj: Any) -> None:
+def write_json(path: Path, obj: Any) -> None:
     write_atomic(path, json.dumps(obj, indent=1, sort_keys=True))
 
 
@@ -415,7 +430,7 @@ def build_tokens(files: Sequence[tuple[Path, str | None]], tokenizer, out_dir: P
              "splits": {s: {"file": f"{s}.tokens", "tokens": int(stats.tokens[s]),
                             "documents": int(stats.split_documents[s])} for s in ("train", "val")},
              "stats": stats.to_json(), "transform_reports": reports, "build_s": round(seconds, 3)}
-    _write_json(out_dir / "index.json", index)
+    write_json(out_dir / "index.json", index)
     return index
 
 
@@ -469,10 +484,14 @@ class TokenCache:
                             f"{FORMAT_VERSION}; delete it to rebuild")
         item = np.dtype(index["dtype"]).itemsize
         for split, info in index["splits"].items():
-            f = path / info["file"]
-            if not f.is_file() or f.stat().st_size != info["tokens"] * item:
-                raise DataError(f"token cache {path}: {split} tokens are damaged ({f}); delete the directory to "
-                                "rebuild")
+            expected = [(info["file"], info["tokens"] * item)]
+            expected += [(a["file"], a["count"] * np.dtype(a["dtype"]).itemsize)  # chat data: labels, documents
+                         for a in info.get("arrays", {}).values()]
+            for name, size in expected:
+                f = path / name
+                if not f.is_file() or f.stat().st_size != size:
+                    raise DataError(f"token cache {path}: {split} tokens are damaged ({f}); delete the directory to "
+                                    "rebuild")
         return TokenCache(path, index)
 
     def sequences(self, split: str, seq_len: int) -> PackedSequences:
@@ -513,8 +532,16 @@ class Corpus:
     piece_chars: int = PIECE_CHARS
 
     def settings(self) -> dict:
+        """What decides the cache's content besides the files and the tokenizer: part of its key."""
         return {"text_field": self.text_field, "val_fraction": self.val_fraction, "piece_chars": self.piece_chars,
                 "transforms": [t.fingerprint for t in self.transforms]}
+
+    def build(self, tokenizer, out_dir: Path, progress: Callable[[CorpusStats], None] | None = None) -> dict:
+        """Tokenize into `out_dir` (a fresh directory); returns the index. Other formats (chat data,
+        site_trainer/chat_data.py) override this and `settings`."""
+        return build_tokens(self.files, tokenizer, out_dir, text_field=self.text_field,
+                            val_fraction=self.val_fraction, transforms=self.transforms, piece_chars=self.piece_chars,
+                            progress=progress)
 
 
 def prepare(corpus: Corpus, tokenizer, workdir: Path, stall_s: float = 300.0) -> TokenCache:
@@ -575,9 +602,15 @@ def _reuse(path: Path) -> TokenCache | None:
 def _summary(index: dict) -> str:
     s, st = index["splits"], index["stats"]
     bad = sum(st["bad_lines"].values())
+    chat = ""
+    if index.get("format") == "chat":
+        chat = (f"; {sum(st.get('targets', {}).values()):,} completion token(s), "
+                f"{sum(st.get('truncated', {}).values())} conversation(s) cut at {index.get('max_tokens')} tokens")
+        if bad:
+            chat += "; bad rows by reason: " + ", ".join(f"{r}: {n}" for r, n in sorted(st["bad_lines"].items()))
     return (f"{st['files']} file(s), {st['documents']} document(s), {s['train']['tokens']:,} train and "
             f"{s['val']['tokens']:,} validation tokens; {bad} bad line(s), {st['undecodable_bytes']} undecodable "
-            f"byte(s), {st['empty_documents']} empty document(s), dropped by transforms: {st['dropped'] or 0}")
+            f"byte(s), {st['empty_documents']} empty document(s), dropped by transforms: {st['dropped'] or 0}{chat}")
 
 
 def _check_shared(root: Path, nonce: str, rank: int) -> None:
@@ -605,18 +638,17 @@ def _build(corpus: Corpus, tokenizer, root: Path, key: str, nonce: str) -> Token
     error = root / f"{key}.error"
     error.unlink(missing_ok=True)
     total = sum(p.stat().st_size for p, _ in corpus.files)
-    progress = _Progress(root / f"{key}.progress", nonce, total)
+    progress = Progress(root / f"{key}.progress", nonce, total)
     log.info("tokenizing %d file(s), %.1f MB, into %s", len(corpus.files), total / 1e6, target)
     progress(CorpusStats(), force=True)
     try:
-        build_tokens(corpus.files, tokenizer, tmp, text_field=corpus.text_field, val_fraction=corpus.val_fraction,
-                     transforms=corpus.transforms, piece_chars=corpus.piece_chars, progress=progress)
+        corpus.build(tokenizer, tmp, progress)
         if target.exists():  # a leftover that failed its check
             shutil.rmtree(target)
         os.replace(tmp, target)
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        _write_json(error, {"nonce": nonce, "error": f"{type(err).__name__}: {err}"})
+        write_json(error, {"nonce": nonce, "error": f"{type(err).__name__}: {err}"})
         raise
     finally:
         (root / f"{key}.progress").unlink(missing_ok=True)

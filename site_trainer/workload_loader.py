@@ -150,6 +150,9 @@ def check_site(cfg: WorkloadConfig, site: SiteConfig) -> None:
     """One site's view of the workload: its merged options, or the script on this machine."""
     from site_trainer.config import merge_options
 
+    if site.script is not None and not Path(site.script).is_file():
+        raise WorkloadError(f"sites[{site.id}].script: {site.script} does not exist on this machine; give the path of "
+                            "the site's torchrun script (relative paths are resolved from the config file's directory)")
     if cfg.task is not None:
         if site.workload_options:
             validate_options(task_class(cfg.task), merge_options(cfg.options, site.workload_options),

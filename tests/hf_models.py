@@ -46,20 +46,37 @@ def stdlib_text(max_bytes: int = 300_000) -> str:
     return "".join(out)[:max_bytes]
 
 
-def train_tokenizer(out_dir: Path, vocab_size: int = 512, model_max_length: int = 256):
-    """A byte-level BPE tokenizer (EOS and PAD specials) trained on stdlib text, saved to `out_dir`."""
+# A ChatML-style template: role headers and end-of-turn markers are special tokens; a role other than
+# system, user or assistant is refused, as many models' templates do.
+CHAT_SPECIALS = ["<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('this model knows no role ' + m['role']) }}{% endif %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def train_tokenizer(out_dir: Path, vocab_size: int = 512, model_max_length: int = 256, chat: bool = False):
+    """A byte-level BPE tokenizer (EOS and PAD specials) trained on stdlib text, saved to `out_dir`;
+    with `chat`, also ChatML's specials and `CHAT_TEMPLATE` as its chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS, PAD], show_progress=False,
+    specials = [EOS, PAD] + (CHAT_SPECIALS if chat else [])
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     text = stdlib_text()
     tok.train_from_iterator((text[i:i + 4096] for i in range(0, len(text), 4096)), trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS, pad_token=PAD,
                                    model_max_length=model_max_length)
+    if chat:
+        fast.add_special_tokens({"additional_special_tokens": CHAT_SPECIALS})
+        fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out_dir)
     return fast
 
@@ -71,11 +88,12 @@ def _save(model, tokenizer, out_dir: Path) -> Path:
 
 
 def tiny_llama(out_dir: Path, *, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
-               context: int = 256, tie: bool = False, vocab_size: int = 512, seed: int = 0) -> Path:
-    """A Llama-style model with random weights; the head is untied unless `tie`."""
+               context: int = 256, tie: bool = False, vocab_size: int = 512, seed: int = 0, chat: bool = False) -> Path:
+    """A Llama-style model with random weights; the head is untied unless `tie`; with `chat`, its
+    tokenizer has a ChatML chat template (`CHAT_TEMPLATE`)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tok = train_tokenizer(out_dir, vocab_size, context)
+    tok = train_tokenizer(out_dir, vocab_size, context, chat=chat)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=context,
                       tie_word_embeddings=tie, initializer_range=INIT_STD, eos_token_id=tok.eos_token_id,
@@ -133,6 +151,11 @@ def llama_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def gpt2_dir(tmp_path_factory) -> Path:
     return tiny_gpt2(tmp_path_factory.mktemp("gpt2"))
+
+
+@pytest.fixture(scope="session")
+def chat_llama_dir(tmp_path_factory) -> Path:
+    return tiny_llama(tmp_path_factory.mktemp("chat-llama"), chat=True)
 
 
 @pytest.fixture(scope="session", params=sorted(ARCHITECTURES))

@@ -3,8 +3,12 @@ processes and torchrun trainer pools, on tiny Llama-style models built here (not
 then `sovfl export` of the run.
 
 Two federations, each checked for several things (a federation costs about a minute here):
-- LoRA, SecAgg+ on, 2 rounds, sites a and b with 2 ranks each, and site c whose base model has
-  other weights: c is refused by name at discovery and every round completes with a and b; only
+- LoRA on chat data (format chat: synthetic compliance conversations, the loss on assistant tokens
+  only), SecAgg+ on, 3 rounds with evaluation, sites a and b with 2 ranks each, and site c whose base
+  model has other weights. Site a runs the built-in task; site b runs the example's Hugging Face
+  Trainer script through the callback (`sites[].script`: examples/compliance_sft/train_with_trainer.py,
+  DDP through the Trainer's accelerate). The completion-only eval loss falls round after round; c
+  is refused by name at discovery and every round completes with a and b; only
   the adapters travel (bytes up per site: the adapter's values as 32-bit ring words, plus the
   weight word; not the model); each new global adapter is the weighted mean of the deltas the
   sites returned (their `dump_updates` files) within the SecAgg quantization bound (< 1e-6); both
@@ -23,12 +27,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import assert_weighted_mean_rounds, live_marked, sovfl, write_config
+from conftest import ROOT, assert_weighted_mean_rounds, live_marked, sovfl, write_config
 from federation.coordinator.checkpoint import load_checkpoint
 from federation.ops import launcher
 from hf_models import tiny_llama, write_corpus
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow(seconds=250)]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow(seconds=300)]
 
 DEADLINES = {"connect_s": 120, "round_s": 180, "evaluate_s": 120, "secagg_stage_s": 60, "trainer_start_s": 240}
 SITE = {"local_steps": 3, "batch_size": 4, "lr": 0.01, "optimizer": "adamw", "dump_updates": True}
@@ -37,7 +41,26 @@ LORA = {"r": 4, "alpha": 8, "dropout": 0.0}
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> Path:
-    return tiny_llama(tmp_path_factory.mktemp("base"))
+    return tiny_llama(tmp_path_factory.mktemp("base"), chat=True)
+
+
+def compliance_data():
+    """The example's synthetic compliance conversations (examples/compliance_sft/compliance_data.py)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("compliance_data",
+                                                  ROOT / "examples" / "compliance_sft" / "compliance_data.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("chats")
+    for i, site in enumerate("abc"):
+        compliance_data().write_site(root / site, i, rows=160)
+    return root
 
 
 @pytest.fixture(scope="module")
@@ -87,25 +110,43 @@ def _generates(model_dir: Path) -> None:
     assert out.shape[1] == ids.shape[1] + 8 and tok.decode(out[0, ids.shape[1]:])
 
 
-def test_lora_secagg_two_sites_two_ranks_refused_base_and_export(tmp_path, base, corpus, marker, monkeypatch):
+def chat_workload(base: Path, chats: Path) -> dict:
+    return {"task": "hf-causal-lm",
+            "options": {"model_dir": str(base), "format": "chat", "data": str(chats / "{site}" / "train.jsonl"),
+                        "val_data": str(chats / "{site}" / "val.jsonl"), "seq_len": 256, "lora": LORA}}
+
+
+def test_lora_chat_secagg_two_sites_two_ranks_refused_base_and_export(tmp_path, base, chats, marker, monkeypatch):
     import torch
     from safetensors.torch import load_file
 
-    other = tiny_llama(tmp_path / "other-base", seed=1)  # same architecture, other weights
-    sites = [{"id": "a", "ranks": 2, "partition": 0, **SITE}, {"id": "b", "ranks": 2, "partition": 1, **SITE},
-             {"id": "c", "ranks": 1, "partition": 2, **SITE, "workload_options": {"model_dir": str(other)}}]
-    cfg = {"federation": {"name": "hf-lora", "rounds": 2, "quorum": 2, "update_kind": "delta", "evaluate": False,
+    other = tiny_llama(tmp_path / "other-base", seed=1, chat=True)  # same architecture, other weights
+    chat_site = {**SITE, "lr": 0.02}
+    script = ROOT / "examples" / "compliance_sft" / "train_with_trainer.py"  # b: a Trainer with the callback
+    sites = [{"id": "a", "ranks": 2, "partition": 0, **chat_site},
+             {"id": "b", "ranks": 2, "partition": 1, **chat_site, "script": str(script)},
+             {"id": "c", "ranks": 1, "partition": 2, **chat_site, "workload_options": {"model_dir": str(other)}}]
+    cfg = {"federation": {"name": "hf-lora", "rounds": 3, "quorum": 2, "update_kind": "delta", "evaluate": True,
                           "deadlines": DEADLINES,
                           "secagg": {"enabled": True, "threshold": 2, "clip": 1.0, "bits": 32}},
-           "workload": {"task": "hf-causal-lm",
-                        "options": {"model_dir": str(base), "data": str(corpus / "{site}" / "*.txt"), "seq_len": 32,
-                                    "val_fraction": 0.0, "lora": LORA}},
+           "workload": chat_workload(base, chats),
            "sites": sites}
     run, lines, log = _simulate(tmp_path, cfg, marker, monkeypatch)
 
+    # the completion-only eval loss (every site's validation conversations) falls round after round
+    losses = [line["eval_loss"] for line in lines] + [lines[-1]["final_eval_loss"]]
+    assert [line["eval_model_round"] for line in lines] == [0, 1, 2]
+    assert all(b < a for a, b in zip(losses, losses[1:])), losses
+    assert losses[-1] < losses[0] - 0.1, losses
+    for s in ("a", "b"):  # the same chat data path (b's script reads it through hf_callback.site_data)
+        trainer_log = (run / "logs" / f"site-{s}-trainer.log").read_text()
+        assert "completion token(s) to learn" in trainer_log and "packed" in trainer_log
+    b_log = (run / "logs" / "site-b-trainer.log").read_text()
+    assert "rank 0: federation ended" in b_log and "rank 1: federation ended" in b_log  # train() returned on stop
+
     # c is left out by name before any update is averaged, counted once; the rounds go on with a and b
     assert "site c REFUSED" in log and "frozen base weights differ" in log
-    assert [x["status"] for x in lines] == ["aggregated", "aggregated"]
+    assert [x["status"] for x in lines] == ["aggregated"] * 3
     for line in lines:
         assert set(line["sites"]) == {"a", "b"} and line["secagg"]["contributors"] == ["a", "b"]
         assert set(line["failed"]) == {"c"} and "frozen base weights differ" in line["failed"]["c"]

@@ -32,8 +32,8 @@ def add_parser(sub) -> None:
     p.set_defaults(fn=cmd_scrub)
 
 
-def site_text_files(cfg, site: SiteConfig, workdir: Path) -> tuple[list[tuple[Path, str | None]], str]:
-    """The files the site's text task reads and their `.jsonl` text field; ConfigError if the
+def site_text_files(cfg, site: SiteConfig, workdir: Path) -> tuple[list[tuple[Path, str | None]], str | None]:
+    """The files the site's text task reads and their `.jsonl` text field (None: chat rows); ConfigError if the
     workload reads no text or its patterns match nothing."""
     from site_trainer import workload_loader
     from site_trainer.workload import TaskContext
@@ -56,6 +56,8 @@ def site_text_files(cfg, site: SiteConfig, workdir: Path) -> tuple[list[tuple[Pa
         raise ConfigError(f"site {site.id}: {err}") from None
     if not files:
         raise ConfigError(f"site {site.id}: task {wl.task!r} found no text file for this site; check its data patterns")
+    if getattr(options, "format", "text") == "chat":  # hf-causal-lm chat rows: every message's content
+        return files, None
     return files, str(getattr(options, "text_field", "text"))
 
 

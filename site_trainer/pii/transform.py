@@ -118,20 +118,27 @@ def counts_from_metrics(metrics: dict) -> dict[str, int]:
 
 
 def scrub_documents(files: Sequence[tuple[Path, str | None]], config: PiiConfig, workdir: Path, *,
-                    text_field: str = "text", dry_run: bool = False, site: str | None = None,
+                    text_field: str | None = "text", dry_run: bool = False, site: str | None = None,
                     progress: Callable[[int, int], None] | None = None) -> tuple["ScrubReport", dict[str, list[str]]]:
     """Scrub a site's corpus document by document, exactly as training reads it (`.jsonl` lines,
     `.txt` files and their pieces), so that a later training run finds every document in the cache
     and scrubs nothing again. Not a dry run: results go to the cache. Dry run: nothing is written.
 
     Returns the report (the caller writes it) and the `.jsonl` lines skipped as training skips them
-    (reason -> the first few `file:line`)."""
+    (reason -> the first few `file:line`). `text_field` None: chat rows (`format: chat`), every
+    message's content scrubbed as training scrubs it."""
     from site_trainer import text_data
 
     from .corpus import CorpusScrubber
 
     stats = text_data.CorpusStats()
-    docs = ((p.path, p.text) for p in text_data.read_pieces(files, text_field, 0.0, stats) if p.text is not None)
+    if text_field is None:
+        from site_trainer import chat_data
+
+        docs = ((row.where.rsplit(":", 1)[0], m["content"]) for row in chat_data.read_rows(files, 0.0, stats)
+                for m in row.messages)
+    else:
+        docs = ((p.path, p.text) for p in text_data.read_pieces(files, text_field, 0.0, stats) if p.text is not None)
     with CorpusScrubber(config, cache_dir=cache_dir(workdir), site=site, dry_run=dry_run) as scrub:
         for _ in scrub.map(docs, progress=progress):
             pass

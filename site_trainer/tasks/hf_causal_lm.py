@@ -18,6 +18,10 @@ is constructed, before any process group work starts: missing files, a `seq_len`
 model's context, a tokenizer larger than the embedding, LoRA target modules that match nothing,
 and, on sites, data patterns that match nothing or match unreadable or unsupported files.
 
+With `format: chat` the site's data are .jsonl conversations or prompt-completion rows, rendered
+with the tokenizer's chat template and learned on the assistant's tokens only
+(`site_trainer.chat_data`); otherwise raw text, every token learned.
+
 The site's text goes through `site_trainer.text_data` (see its docstring): streamed, transformed
 (the site's PII scrubber first, then `options.transforms`), tokenized once per site, cached by
 content hash and read from a memory map. Only the adapters travel with LoRA (the framework's
@@ -42,7 +46,7 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator  # noqa: E402
 
-from site_trainer import text_data  # noqa: E402
+from site_trainer import chat_data, text_data  # noqa: E402
 from site_trainer.workload import Task, TaskContext, TaskData  # noqa: E402
 
 CONFIG = "config.json"
@@ -105,6 +109,14 @@ class Options(BaseModel):
                                   "the site's PII scrubber")
     cache_stall_s: float = Field(300.0, gt=0, description="ranks waiting for rank 0's token cache give up after "
                                                           "this long without progress")
+    format: Literal["text", "chat"] = Field(
+        "text", description="text: documents, the loss on every token (continued pre-training); chat: .jsonl rows "
+                            '{"messages": [...]} or {"prompt", "completion"} rendered with the chat template, the '
+                            "loss on assistant/completion tokens only")
+    chat_template: str | None = Field(None, description="chat: a Jinja chat template (its text, or the path of a "
+                                                         "file holding it); default: the tokenizer's own")
+    packing: bool = Field(True, description="chat: pack whole conversations into seq_len rows (position ids restart "
+                                            "per conversation, attention never crosses one); false: one per row")
 
     _lists = field_validator("data", "val_data", mode="before")(_as_list)
 
@@ -120,6 +132,9 @@ class Options(BaseModel):
         if self.val_data is not None and "val_fraction" in self.model_fields_set and self.val_fraction > 0:
             raise ValueError("set either val_data (validation files) or val_fraction (a share of the documents), "
                              "not both")
+        if self.format == "text" and ("chat_template" in self.model_fields_set or "packing" in self.model_fields_set):
+            raise ValueError("chat_template and packing apply to format: chat; set format: chat for .jsonl "
+                             "conversations, or leave them out")
         if self.dtype == "bfloat16" and self.lora is None:
             raise ValueError("dtype bfloat16 stores frozen base weights in bf16, but with lora: null (full "
                              "fine-tuning) every weight trains and keeps float32 master weights: set dtype float32 "
@@ -145,6 +160,8 @@ class CausalLM(Task):
         _check_vocab(self.tokenizer, self.config, self.model_dir)
         if options.lora is not None:
             self._check_lora_targets()
+        self.chat_template = _chat_template(options, self.tokenizer, self.model_dir) if options.format == "chat" \
+            else None
         self.files: list[tuple[Path, str | None]] = []
         self.transforms: list[text_data.DocumentTransform] = []
         self.token_cache: text_data.TokenCache | None = None  # after build_data: its index holds the counts
@@ -233,11 +250,17 @@ class CausalLM(Task):
 
         try:
             train = text_data.find_files(expand(o.data), "data")
-            if o.val_data is None:
-                return [(p, None) for p in train]
-            val = text_data.find_files(expand(o.val_data), "val_data")
+            val = text_data.find_files(expand(o.val_data), "val_data") if o.val_data is not None else []
         except text_data.DataError as err:
             raise OptionsError(str(err)) from None
+        if o.format == "chat":
+            txt = [p for p in train + val if p.suffix != ".jsonl"]
+            if txt:
+                raise OptionsError(f"{'data' if txt[0] in train else 'val_data'}: {txt[0]} is not .jsonl; format chat "
+                                   'reads .jsonl rows {"messages": [...]} or {"prompt": ..., "completion": ...}: '
+                                   "narrow the pattern to *.jsonl")
+        if o.val_data is None:
+            return [(p, None) for p in train]
         both = sorted(set(train) & set(val))
         if both:
             raise OptionsError(f"val_data: {both[0]} is matched by data too ({len(both)} such file(s)); a document "
@@ -256,6 +279,8 @@ class CausalLM(Task):
         if self.ctx.workdir is None:
             raise OptionsError("hf-causal-lm needs the site's workdir for its token cache; none was given")
         o = self.options
+        if o.format == "chat":
+            return self._build_chat_data()
         corpus = text_data.Corpus(self.files, text_field=o.text_field,
                                   val_fraction=o.val_fraction if o.val_data is None else 0.0,
                                   transforms=self.transforms)
@@ -275,16 +300,51 @@ class CausalLM(Task):
                           len(val), self.seq_len)
         return TaskData(train=train, val=val if len(val) else None)
 
+    def _build_chat_data(self) -> TaskData:
+        """Chat rows -> the chat token cache -> packed rows of whole conversations (chat_data.py)."""
+        o = self.options
+        corpus = chat_data.ChatCorpus(self.files, val_fraction=o.val_fraction if o.val_data is None else 0.0,
+                                      transforms=self.transforms, template=self.chat_template, max_tokens=self.seq_len)
+        cache = self.token_cache = text_data.prepare(corpus, self.tokenizer, Path(self.ctx.workdir),
+                                                     stall_s=o.cache_stall_s)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        train, val = (chat_data.ChatSequences.of(cache, s, self.seq_len, pad, o.packing) for s in ("train", "val"))
+        st = cache.index["stats"]
+        if len(train) == 0:
+            raise text_data.DataError(f"data: no training conversation ({sum(st['bad_lines'].values())} bad row(s): "
+                                      f"{dict(st['bad_lines'])}); add rows or lower val_fraction")
+        if len(val) == 0 and (o.val_data is not None or o.val_fraction > 0):
+            self.log.warning("site %s: no validation conversation; evaluation is off. Name validation files with "
+                             "val_data or raise val_fraction", self.ctx.site)
+        if self.ctx.rank == 0:
+            self.log.info("site %s: %d training conversation(s) in %d row(s) of %d tokens (%s), %d validation; "
+                          "%d completion token(s) to learn, %d conversation(s) cut at seq_len, %d bad row(s)%s",
+                          self.ctx.site, train.documents, len(train), self.seq_len,
+                          "packed" if o.packing else "one per row", val.documents, sum(st["targets"].values()),
+                          sum(st["truncated"].values()), sum(st["bad_lines"].values()),
+                          "".join(f"; {f}: {dict(r)}" for f, r in sorted(st["bad_by_file"].items())))
+        return TaskData(train=train, val=val if len(val) else None)
+
     # ---- training ------------------------------------------------------------------------
-    def loss(self, model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy over the batch's packed sequences (seq_len + 1 tokens each)."""
+    def loss(self, model: nn.Module, batch: torch.Tensor | dict) -> torch.Tensor:
+        """Mean next-token cross-entropy: over every token of the batch's packed sequences (text,
+        seq_len + 1 tokens each), or over the assistant/completion tokens only (chat rows)."""
+        if isinstance(batch, dict):
+            nll, n = chat_data.loss_sums(model, _on(batch, self.ctx.device))
+            return nll / n.clamp(min=1)
         ids = batch.to(self.ctx.device, non_blocking=True)
         logits = model(input_ids=ids[:, :-1], use_cache=False).logits
         return F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
 
-    def evaluate(self, model: nn.Module, batch: torch.Tensor) -> dict:
-        """Summed per-sequence loss. Every sequence has seq_len targets, so the reported eval_loss is
-        the mean token negative log-likelihood (nats) and exp(eval_loss) the perplexity."""
+    def evaluate(self, model: nn.Module, batch: torch.Tensor | dict) -> dict:
+        """Text: the summed per-sequence loss; every sequence has seq_len targets, so the reported
+        eval_loss is the mean token negative log-likelihood (nats) and exp(eval_loss) the perplexity.
+        Chat: the summed loss over completion tokens and their count as `examples`, so eval_loss is
+        the mean over every completion token of the validation set (and an evaluation's
+        num_examples counts those tokens)."""
+        if isinstance(batch, dict):
+            nll, n = chat_data.loss_sums(model, _on(batch, self.ctx.device))
+            return {"loss": nll.detach(), "examples": n}
         n = int(batch.shape[0])
         return {"loss": self.loss(model, batch).detach() * n, "examples": n}
 
@@ -400,6 +460,38 @@ def _check_vocab(tokenizer, config, d: Path) -> None:
     if isinstance(vocab, int) and len(tokenizer) > vocab:
         raise OptionsError(f"model_dir: the tokenizer in {d} has {len(tokenizer)} tokens but the model's embedding "
                            f"only {vocab} (config.json vocab_size); they do not belong together")
+
+
+def _on(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def _chat_template(options: Options, tokenizer, d: Path) -> str:
+    """format chat: the configured template (its text, or a file's), else the tokenizer's; checked
+    by rendering a user/assistant exchange."""
+    value = options.chat_template
+    if value is not None and "{" not in value:
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise OptionsError(f"chat_template: {value!r} is neither a Jinja template nor a file; give the template's "
+                               "text or the path of a .jinja file")
+        value = path.read_text(encoding="utf-8")
+    if value is None:
+        value = getattr(tokenizer, "chat_template", None)
+        if isinstance(value, dict):  # several named templates: the default one
+            value = value.get("default")
+    if not value:
+        raise OptionsError(f"chat_template: the tokenizer in {d} has no chat template and none is configured; set "
+                           "workload.options.chat_template to the model's template (Jinja text or a .jinja file), "
+                           "or save the tokenizer with its chat_template")
+    if not getattr(tokenizer, "is_fast", False):
+        raise OptionsError(f"model_dir: format chat needs a fast tokenizer (tokenizer.json) in {d}, to map the "
+                           "template's text to tokens; save the tokenizer with transformers' fast tokenizer")
+    try:
+        chat_data.check_template(tokenizer, value)
+    except ValueError as err:
+        raise OptionsError(f"chat_template: cannot use it on a user/assistant exchange: {err}") from None
+    return value
 
 
 def _load_transform(path: str, field: str) -> text_data.DocumentTransform:
