@@ -261,13 +261,14 @@ class BulkServer:
                 req = rpc.decode(request)
                 root = str(req["root"])
                 wanted = req.get("chunks")
-            except (ValueError, KeyError, TypeError) as err:
+                wanted = None if wanted is None else [int(i) for i in wanted]
+            except (ValueError, KeyError, TypeError, OverflowError) as err:
                 raise self._refuse("bad_request", f"site {site}: unreadable Get ({type(err).__name__})") from None
             with self._lock:
                 blob = self.offered.get(root)
             if blob is None:
                 raise self._refuse("not_offered", f"site {site}: blob {root[:12]} is not offered now (stage over?)")
-            indices = range(blob.count) if wanted is None else [int(i) for i in wanted]
+            indices = range(blob.count) if wanted is None else wanted
             if any(not 0 <= i < blob.count for i in indices):
                 raise self._refuse("chunk_out_of_range", f"site {site}: asked for chunks beyond the blob's {blob.count}")
         except BulkRefused as err:

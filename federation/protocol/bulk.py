@@ -166,7 +166,7 @@ class Ref:
             d = json.loads(bytes(data[:4096]).decode())
             ref = cls(str(d["root"]), int(d["size"]), int(d["chunk"]), int(d["offset"]), int(d["length"]),
                       str(d["stype"]))
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError) as err:  # nesting: RecursionError
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError, OverflowError) as err:
             raise BulkRefused("ref_malformed", f"unreadable reference ({type(err).__name__})") from None
         if (len(ref.root) != 64 or any(c not in "0123456789abcdef" for c in ref.root) or not 0 <= ref.size <= MAX_BLOB
                 or ref.offset < 0 or ref.length < 0 or ref.offset + ref.length > ref.size):

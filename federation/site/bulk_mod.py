@@ -85,7 +85,7 @@ class SiteBulk:
 def _int(rec, key: str, default: int) -> int:
     try:
         return int(rec[key]) if rec is not None and key in rec else default
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return default
 
 

@@ -128,6 +128,8 @@ REGRESSIONS = {
     },
     "bulk-ref": {
         "deep-nesting": (lambda: b"[" * 4000 + b"]" * 4000, "RecursionError from json.loads in Ref.decode"),
+        "offset-infinity": (lambda: b'{"root":"' + b"7" * 64 + b'","size":9,"chunk":65536,"offset":Infinity,'
+                            b'"length":1,"stype":"x"}', "OverflowError from int(inf) in Ref.decode"),
     },
     "bulk-begin": {
         "deep-nesting": (lambda: b"[" * 100000 + b"]" * 100000, "RecursionError from json.loads in bulk_rpc.decode"),
