@@ -257,3 +257,34 @@ def test_steps_are_spent_before_they_run(tmp_path, single_rank_group):
     assert json.loads((tmp_path / LEDGER).read_text())["rounds"] == [[1, 4]]
     t2 = _trainer(tmp_path, epsilon=8.0)  # a crash after spend(), before any checkpoint: still spent
     assert t2.dp.ledger.steps == 4
+
+
+# ---- reporting ----------------------------------------------------------------------------------------
+def _lines() -> list[dict]:
+    site = lambda eps, budget=None: {"loss": 1.0, "samples": 10, "dp_epsilon": eps, "dp_delta": 1e-5,  # noqa: E731
+                                     "dp_noise_multiplier": 1.1, "dp_steps": 3.0,
+                                     **({"dp_epsilon_budget": budget} if budget else {})}
+    return [{"round": 1, "sites": {"a": site(1.0), "c": site(2.0, 3.0)}, "failed": {}},
+            {"round": 2, "sites": {"a": site(1.5), "c": site(2.9, 3.0)}, "failed": {}},
+            {"round": 3, "sites": {"a": site(2.0)}, "failed": {"c": "site_error: site c: privacy budget: round 3 ..."}}]
+
+
+def test_result_json_privacy_figures_are_each_sites_last(tmp_path):
+    from federation.coordinator.privacy_summary import privacy_by_site
+
+    out = privacy_by_site(_lines())
+    assert out["a"] == {"epsilon": 2.0, "delta": 1e-5, "noise_multiplier": 1.1, "steps": 3.0, "last_round": 3}
+    assert out["c"]["epsilon"] == 2.9 and out["c"]["budget"] == 3.0 and out["c"]["stopped_round"] == 3
+    assert privacy_by_site([{"round": 1, "sites": {"a": {"loss": 1.0}}}]) == {}
+
+
+def test_report_plots_epsilon_against_rounds_only_for_dp_runs(tmp_path):
+    from federation.ops.report_cmd import build_report, privacy_series
+
+    series = dict((label, pts) for label, pts, _ in privacy_series(_lines()))
+    assert series["a epsilon"] == [(1, 1.0), (2, 1.5), (3, 2.0)] and series["c budget"] == [(1, 3.0), (2, 3.0)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in _lines()))
+    page = build_report(tmp_path).read_text()
+    assert '<h2>Privacy: epsilon spent per site</h2><img alt="Privacy: epsilon spent per site" src="data:image/png' \
+        in page
+    assert privacy_series([{"round": 1, "sites": {"a": {"loss": 1.0}}}]) == []

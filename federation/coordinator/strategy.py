@@ -199,6 +199,7 @@ def site_metrics(reply: Reply) -> dict:
     for key in ("upload_bytes", "dense_bytes", "encode_s", "state_arrays_in", "train_call_s", "evaluate_call_s"):
         if key in m:
             out[key] = m[key]
+    out.update({k: v for k, v in m.items() if k.startswith("dp_")})  # sites[].privacy: epsilon spent, sigma, ...
     pii = counts_from_metrics(m)  # the site's PII findings per entity type: counts only
     if pii:
         out["pii"] = pii
