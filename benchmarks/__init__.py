@@ -1,0 +1,1 @@
+"""Benchmarks: each runs an anchor and ours side by side and prints a RESULT ratio line (a regular package, so that a dependency shipping a top-level `benchmarks` package, as opacus does, cannot shadow it)."""
