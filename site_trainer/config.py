@@ -160,9 +160,10 @@ class SiteConfig(StrictModel):
             raise ValueError(f"site {self.id}: privacy.enabled with parallelism {self.parallelism!r}: per-record "
                              "gradient clipping is implemented for ddp only (ZeRO shards the gradients it would "
                              "clip); set parallelism: ddp, or privacy.enabled: false")
-        if self.privacy.enabled and self.activation_checkpointing and self.privacy.per_sample == "vmap":
-            raise ValueError(f"site {self.id}: privacy.per_sample 'vmap' does not run through activation "
-                             "checkpointing; set privacy.per_sample: loop, or activation_checkpointing: false")
+        if self.privacy.enabled and self.activation_checkpointing and self.privacy.per_sample != "loop":
+            raise ValueError(f"site {self.id}: privacy.per_sample {self.privacy.per_sample!r} (torch.func.vmap) does "
+                             "not run through activation checkpointing; set privacy.per_sample: loop, or "
+                             "activation_checkpointing: false")
         if self.lr_schedule == "cosine" and self.min_lr > self.lr:
             raise ValueError(f"min_lr ({self.min_lr}) is above lr ({self.lr}); the cosine schedule decays lr to min_lr")
         return self

@@ -30,8 +30,9 @@ class PrivacyConfig(BaseModel):
     accountant: Literal["rdp", "prv"] = Field("rdp", description="rdp: Renyi DP (ours); prv: Opacus's PRV accountant")
     max_noise_multiplier: float = Field(
         50.0, gt=0, description="a calibrated sigma above this is refused: the budget cannot be met usefully")
-    per_sample: Literal["vmap", "loop"] = Field(
-        "vmap", description="per-record gradients by torch.func.vmap (fast) or one record at a time (any model)")
+    per_sample: Literal["auto", "vmap", "loop"] = Field(
+        "auto", description="per-record gradients by torch.func.vmap, or one record at a time (any model); auto: "
+                            "vmap, falling back to one at a time for a model vmap cannot run")
     noise_seed: int | None = Field(None, description="tests only: a fixed noise stream (default: OS entropy)")
 
     @field_validator("max_grad_norm")

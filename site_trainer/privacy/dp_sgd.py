@@ -6,7 +6,8 @@ One optimizer step of a site with privacy on:
    is a Poisson sample of the site's data at rate q, which is what the accountant assumes. The
    rank's sample is cut into `grad_accum` micro-batches (sizes vary; one may be empty).
 2. Per-record gradients of the trainable parameters (`torch.func.vmap(grad(...))` over the
-   micro-batch, or one record at a time with `per_sample: loop`), each clipped to L2 norm C
+   micro-batch, or one record at a time with `per_sample: loop`; `auto`, the default, falls back to
+   the loop for a model vmap cannot run, e.g. GPT-2's data-dependent padding check), each clipped to L2 norm C
    (factor min(1, C / (norm + 1e-6))) and summed: no record contributes more than C.
 3. Noise, once per logical batch, by global rank 0 only: N(0, sigma^2 C^2) per coordinate added
    to rank 0's sum before one all-reduce (SUM) of the flat gradient, so the total noise is sigma x C
@@ -21,6 +22,7 @@ fixed `noise_seed` in tests). It is not a CSPRNG, as in Opacus without `secure_m
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -33,6 +35,7 @@ from torch.utils._pytree import tree_map
 
 from site_trainer.privacy.config import PrivacyConfig
 
+log = logging.getLogger("sovfl.trainer")
 CLIP_EPS = 1e-6  # in min(1, C / (norm + CLIP_EPS)), as Opacus does
 LossFn = Callable[[Any, Any], torch.Tensor]  # (model, batch) -> mean loss of the batch (Task.loss)
 
@@ -76,7 +79,7 @@ def _index(batch: Any, i: int) -> Any:
 class PerSampleClipper:
     """Summed, per-record clipped gradients of `module`'s trainable parameters."""
 
-    def __init__(self, module: nn.Module, loss_fn: LossFn, max_grad_norm: float, method: str = "vmap"):
+    def __init__(self, module: nn.Module, loss_fn: LossFn, max_grad_norm: float, method: str = "auto"):
         self.module, self.loss_fn, self.C, self.method = module, loss_fn, float(max_grad_norm), method
         self.names = [n for n, p in module.named_parameters() if p.requires_grad]
         self.params = [p for _, p in module.named_parameters() if p.requires_grad]
@@ -94,7 +97,19 @@ class PerSampleClipper:
             return self.zeros(), torch.zeros((), dtype=torch.float64, device=self.params[0].device)
         if self.method == "loop":
             return self._loop(batch, n)
-        return self._vmap(batch)
+        if self.method == "vmap":
+            return self._vmap(batch)
+        try:  # auto: vmap, unless this model cannot run under it (data-dependent Python control flow)
+            out = self._vmap(batch)
+        except RuntimeError as err:
+            if "vmap" not in str(err) and "functorch" not in str(err):
+                raise
+            log.warning("per-record gradients: the model does not run under torch.func.vmap (%s); computing them "
+                        "one record at a time instead (privacy.per_sample: loop)", str(err).splitlines()[0][:200])
+            self.method = "loop"
+            return self._loop(batch, n)
+        self.method = "vmap"
+        return out
 
     def _vmap(self, batch: Any) -> tuple[list[torch.Tensor], torch.Tensor]:
         trainable = {n: p.detach() for n, p in zip(self.names, self.params)}
@@ -107,21 +122,23 @@ class PerSampleClipper:
 
         grads, losses = torch.func.vmap(torch.func.grad_and_value(one), in_dims=(None, 0),
                                         randomness="different")(trainable, batch)
-        per = [grads[n].float() for n in self.names]
-        norms = torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in per))
-        f = self._factors(norms)
-        return [torch.einsum("b,b...->...", f, g) for g in per], losses.detach().double().sum()
+        with torch.autocast(self.params[0].device.type, enabled=False):  # clip and sum in fp32 even under bf16
+            per = [grads[n].float() for n in self.names]
+            norms = torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in per))
+            f = self._factors(norms)
+            return [torch.einsum("b,b...->...", f, g) for g in per], losses.detach().double().sum()
 
     def _loop(self, batch: Any, n: int) -> tuple[list[torch.Tensor], torch.Tensor]:
         out, loss_sum = self.zeros(), torch.zeros((), dtype=torch.float64, device=self.params[0].device)
         for i in range(n):
             loss = self.loss_fn(self.module, _index(batch, i)).float()
             grads = torch.autograd.grad(loss, self.params, allow_unused=True)
-            grads = [torch.zeros_like(p) if g is None else g.float() for g, p in zip(grads, self.params)]
-            norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
-            f = self._factors(norm)
-            for acc, g in zip(out, grads):
-                acc.add_(g * f)
+            with torch.autocast(self.params[0].device.type, enabled=False):
+                grads = [torch.zeros_like(p) if g is None else g.float() for g, p in zip(grads, self.params)]
+                norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
+                f = self._factors(norm)
+                for acc, g in zip(out, grads):
+                    acc.add_(g * f)
             loss_sum += loss.detach().double()
         return out, loss_sum
 
