@@ -288,3 +288,18 @@ def test_report_plots_epsilon_against_rounds_only_for_dp_runs(tmp_path):
     assert '<h2>Privacy: epsilon spent per site</h2><img alt="Privacy: epsilon spent per site" src="data:image/png' \
         in page
     assert privacy_series([{"round": 1, "sites": {"a": {"loss": 1.0}}}]) == []
+
+
+def test_auto_takes_one_record_at_a_time_where_vmap_would_hold_too_much(monkeypatch):
+    from site_trainer.privacy import dp_sgd
+
+    model, loss_fn, batch, C = clip_case()
+    clip = PerSampleClipper(model, loss_fn, C)
+    monkeypatch.setattr(dp_sgd, "VMAP_MAX_VALUES", 12 * clip.numel - 1)
+    calls = []
+    monkeypatch.setattr(clip, "_vmap", lambda b: calls.append("vmap"))
+    real_loop = clip._loop
+    monkeypatch.setattr(clip, "_loop", lambda b, n: calls.append("loop") or real_loop(b, n))
+    clip.clipped_sum(batch)  # 12 records x P values > the limit: the loop
+    clip.clipped_sum((batch[0][:6], batch[1][:6]))  # under it: vmap
+    assert calls == ["loop", "vmap"]

@@ -32,7 +32,8 @@ class PrivacyConfig(BaseModel):
         50.0, gt=0, description="a calibrated sigma above this is refused: the budget cannot be met usefully")
     per_sample: Literal["auto", "vmap", "loop"] = Field(
         "auto", description="per-record gradients by torch.func.vmap, or one record at a time (any model); auto: "
-                            "vmap, falling back to one at a time for a model vmap cannot run")
+                            "vmap, but one at a time where vmap would hold over 2^27 gradient values (records x "
+                            "trainable parameters) or cannot run the model")
     noise_seed: int | None = Field(None, description="tests only: a fixed noise stream (default: OS entropy)")
 
     @field_validator("max_grad_norm")

@@ -6,8 +6,10 @@ One optimizer step of a site with privacy on:
    is a Poisson sample of the site's data at rate q, which is what the accountant assumes. The
    rank's sample is cut into `grad_accum` micro-batches (sizes vary; one may be empty).
 2. Per-record gradients of the trainable parameters (`torch.func.vmap(grad(...))` over the
-   micro-batch, or one record at a time with `per_sample: loop`; `auto`, the default, falls back to
-   the loop for a model vmap cannot run, e.g. GPT-2's data-dependent padding check), each clipped to L2 norm C
+   micro-batch, or one record at a time with `per_sample: loop`; `auto`, the default, takes the loop
+   where vmap would hold more than VMAP_MAX_VALUES gradient values (records x trainable parameters:
+   full fine-tuning of a large model) and for a model vmap cannot run, e.g. GPT-2's data-dependent
+   padding check), each clipped to L2 norm C
    (factor min(1, C / (norm + 1e-6))) and summed: no record contributes more than C.
 3. Noise, once per logical batch, by global rank 0 only: N(0, sigma^2 C^2) per coordinate added
    to rank 0's sum before one all-reduce (SUM) of the flat gradient, so the total noise is sigma x C
@@ -37,6 +39,9 @@ from site_trainer.privacy.config import PrivacyConfig
 
 log = logging.getLogger("sovfl.trainer")
 CLIP_EPS = 1e-6  # in min(1, C / (norm + CLIP_EPS)), as Opacus does
+# auto: above this many per-record gradient values in one micro-batch (records x trainable
+# parameters; 2^27 fp32 values = 512 MiB), one record at a time instead of vmap
+VMAP_MAX_VALUES = 1 << 27
 LossFn = Callable[[Any, Any], torch.Tensor]  # (model, batch) -> mean loss of the batch (Task.loss)
 
 # Layers whose output for one record depends on the other records of the batch: per-record
@@ -83,6 +88,7 @@ class PerSampleClipper:
         self.module, self.loss_fn, self.C, self.method = module, loss_fn, float(max_grad_norm), method
         self.names = [n for n, p in module.named_parameters() if p.requires_grad]
         self.params = [p for _, p in module.named_parameters() if p.requires_grad]
+        self.numel = sum(p.numel() for p in self.params)
 
     def zeros(self) -> list[torch.Tensor]:
         return [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
@@ -99,6 +105,8 @@ class PerSampleClipper:
             return self._loop(batch, n)
         if self.method == "vmap":
             return self._vmap(batch)
+        if n * self.numel > VMAP_MAX_VALUES:  # auto: vmap would hold n x P gradient values at once
+            return self._loop(batch, n)
         try:  # auto: vmap, unless this model cannot run under it (data-dependent Python control flow)
             out = self._vmap(batch)
         except RuntimeError as err:
