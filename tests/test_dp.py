@@ -303,3 +303,21 @@ def test_auto_takes_one_record_at_a_time_where_vmap_would_hold_too_much(monkeypa
     clip.clipped_sum(batch)  # 12 records x P values > the limit: the loop
     clip.clipped_sum((batch[0][:6], batch[1][:6]))  # under it: vmap
     assert calls == ["loop", "vmap"]
+
+
+def test_the_coordinator_cannot_raise_the_budget(tmp_path, single_rank_group):
+    """What a round request carries (its config) cannot change the site's budget: a request asking
+    for more local steps than the budget allows is refused, and nothing in it is read as privacy."""
+    from site_trainer import handoff
+    from site_trainer.workloads import initial_weights
+
+    cap = accountant.epsilon([(16 / 720, 1.0, 8)], 1e-5) + 1e-3  # two rounds of 4 steps
+    t = _trainer(tmp_path, noise_multiplier=1.0, epsilon=cap)
+    h = handoff.write_arrays(initial_weights(DIGITS, 0), "dp-greedy")
+    try:
+        reply = t.run_request("Train", {"round": 1, "global": h.to_json(), "config": {
+            "local_steps": 40, "privacy": {"epsilon": 1000.0}, "epsilon": 1000.0, "noise_multiplier": 0.01}})
+    finally:
+        handoff.release(h.path)
+    assert not reply["ok"] and "round 1 (40 DP-SGD steps) would spend" in reply["error"]
+    assert t.dp.ledger.steps == 0 and t.dp.sigma == 1.0 and t.dp.cfg.epsilon == cap

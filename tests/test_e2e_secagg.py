@@ -39,7 +39,7 @@ from federation.coordinator.checkpoint import load_checkpoint, read_checkpoint
 from federation.config.schema import load_config
 from wiretap import WireTap, found, windows
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow(seconds=175)]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow(seconds=140)]
 
 SITES = ["a", "b", "c", "d"]
 FAULTS = {
