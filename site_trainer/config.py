@@ -174,12 +174,15 @@ class SiteConfig(StrictModel):
 
 
 def check_privacy_workload(workload: WorkloadConfig, site: SiteConfig) -> None:
-    """DP-SGD needs the framework's own loop: a script's training steps are its own."""
-    if site.privacy.enabled and workload.script is not None:
-        raise ValueError(f"site {site.id}: privacy.enabled with a script workload (workload.script): DP-SGD runs in "
+    """DP-SGD needs the framework's own loop: a script's training steps are its own (the workload's
+    script, or a site's own `sites[].script` where the schema has it)."""
+    own = getattr(site, "script", None)
+    if site.privacy.enabled and (workload.script is not None or own is not None):
+        where = "sites[].script" if own is not None else "workload.script"
+        raise ValueError(f"site {site.id}: privacy.enabled with a script ({where}): DP-SGD runs in "
                          "the framework's loop for declarative tasks only (the session API cannot clip the "
                          "script's per-record gradients nor add the noise); use a declarative task "
-                         "(workload.task), or set privacy.enabled: false")
+                         "(workload.task) on this site, or set privacy.enabled: false")
 
 
 def merge_options(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:

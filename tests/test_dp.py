@@ -180,7 +180,7 @@ def test_a_script_workload_with_privacy_is_refused(tmp_path):
 
     script = tmp_path / "train.py"
     script.write_text("")
-    with pytest.raises(ValidationError, match="script workload .*declarative tasks only"):
+    with pytest.raises(ValidationError, match=r"privacy.enabled with a script \(workload.script\).*declarative tasks only"):
         ExperimentConfig(workload={"script": str(script), "model": "user_tasks:make_model"},
                          sites=[_site()])
 
