@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from site_trainer.pii.config import PiiConfig
+from site_trainer.privacy.config import PrivacyConfig
 
 
 class StrictModel(BaseModel):
@@ -138,6 +139,10 @@ class SiteConfig(StrictModel):
     script: str | None = Field(None, description="this site's own torchrun script instead of the workload's task "
                                                  "or script (absolute, or relative to the config file)")
     script_args: list[str] = Field(default_factory=list, description="the site script's command-line arguments")
+    privacy: PrivacyConfig = Field(
+        default_factory=PrivacyConfig,
+        description="record-level DP-SGD on this site (off by default): the site's own budget, never the "
+                    "coordinator's (site_trainer/privacy)")
     # Multi-node sites: one torchrun per node, joined by torchrun's c10d rendezvous.
     nnodes: int = Field(1, ge=1, le=64, description="nodes of this site; each runs `ranks` processes")
     rdzv_endpoint: str | None = Field(
@@ -164,6 +169,14 @@ class SiteConfig(StrictModel):
     def _multi_node_needs_rendezvous(self) -> "SiteConfig":
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise ValueError(f"nnodes is {self.nnodes}: set rdzv_endpoint to node 0's host:port for the rendezvous")
+        if self.privacy.enabled and self.parallelism != "ddp":
+            raise ValueError(f"site {self.id}: privacy.enabled with parallelism {self.parallelism!r}: per-record "
+                             "gradient clipping is implemented for ddp only (ZeRO shards the gradients it would "
+                             "clip); set parallelism: ddp, or privacy.enabled: false")
+        if self.privacy.enabled and self.activation_checkpointing and self.privacy.per_sample != "loop":
+            raise ValueError(f"site {self.id}: privacy.per_sample {self.privacy.per_sample!r} (torch.func.vmap) does "
+                             "not run through activation checkpointing; set privacy.per_sample: loop, or "
+                             "activation_checkpointing: false")
         if self.lr_schedule == "cosine" and self.min_lr > self.lr:
             raise ValueError(f"min_lr ({self.min_lr}) is above lr ({self.lr}); the cosine schedule decays lr to min_lr")
         return self
@@ -171,6 +184,18 @@ class SiteConfig(StrictModel):
     @property
     def world_size(self) -> int:
         return self.ranks * self.nnodes
+
+
+def check_privacy_workload(workload: WorkloadConfig, site: SiteConfig) -> None:
+    """DP-SGD needs the framework's own loop: a script's training steps are its own (the workload's
+    script, or a site's own `sites[].script` where the schema has it)."""
+    own = getattr(site, "script", None)
+    if site.privacy.enabled and (workload.script is not None or own is not None):
+        where = "sites[].script" if own is not None else "workload.script"
+        raise ValueError(f"site {site.id}: privacy.enabled with a script ({where}): DP-SGD runs in "
+                         "the framework's loop for declarative tasks only (the session API cannot clip the "
+                         "script's per-record gradients nor add the noise); use a declarative task "
+                         "(workload.task) on this site, or set privacy.enabled: false")
 
 
 def merge_options(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
@@ -201,6 +226,8 @@ class TrainerConfig(StrictModel):
         if self.site.lr_schedule == "cosine" and self.rounds is None:
             raise ValueError(f"site {self.site.id}: lr_schedule 'cosine' needs the run's length: set the trainer "
                              "config's rounds (the launcher passes federation.rounds)")
+        if self.site.privacy.enabled:
+            check_privacy_workload(self.workload, self.site)
         from site_trainer.workload_loader import check_site
 
         check_site(self.workload, self.site)

@@ -58,6 +58,14 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
     return batch
 
 
+def _empty_like(data, train_idx: torch.Tensor) -> Batch:
+    """A batch of no examples, shaped like the task's (a Poisson sample may draw none on a rank)."""
+    one = fetch(data.train, train_idx[:1], data.collate)
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t[:0] if isinstance(t, torch.Tensor) else t, one)
+
+
 class LocalTrainer:
     def __init__(self, cfg: TrainerConfig):
         self.cfg = cfg
@@ -99,6 +107,7 @@ class LocalTrainer:
         self.rounds_trained = 0
         self.sched_step = 0  # optimizer steps into the learning-rate schedule
         self.total_steps = cfg.rounds * s.local_steps if cfg.rounds else None
+        self.dp = self._privacy() if s.privacy.enabled else None
         self.session = Session(self.model, cfg, exchanged=exchanged, optimizer=self.optimizer, state=self,
                                frozen=frozen, num_examples=len(self.data.train), num_val_examples=n_val,
                                site_metrics=site_metrics,
@@ -111,6 +120,16 @@ class LocalTrainer:
                      self.world, s.nnodes, "bf16" if self.dtype else "fp32", s.grad_accum,
                      ", activation checkpointing" if s.activation_checkpointing else "", len(lay.exchanged),
                      sum(x.numel for x in lay.exchanged), len(lay.frozen))
+
+    def _privacy(self):
+        """Collective: the site's DP-SGD (site_trainer/privacy), refused with the field to fix."""
+        from site_trainer.privacy.site_privacy import SitePrivacy
+
+        s = self.cfg.site
+        return SitePrivacy(s.privacy, site=s.id, module=self.module, loss_fn=self.task.loss,
+                           records=len(self.data.train), batch_size=s.batch_size, grad_accum=s.grad_accum,
+                           world=self.world, rounds=self.cfg.rounds, local_steps=s.local_steps,
+                           workdir=self.cfg.workdir, device=self.device)
 
     # ---- the model ----------------------------------------------------------------------------
     def _build_model(self, sharded: bool) -> tuple[nn.Module, nn.Module, list[str], layout.FrozenDigest]:
@@ -198,6 +217,26 @@ class LocalTrainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
+    def dp_step(self, micro_batches: list[Batch]) -> torch.Tensor:
+        """Collective: one DP-SGD step over this rank's part of a Poisson-sampled logical batch
+        (site_trainer/privacy/dp_sgd.py): per-record clipping, one noise draw for the whole batch."""
+        assert self.dp is not None
+        batches = [to_device(b, self.device) for b in micro_batches]
+        loss_sum, n = self.dp.gradients(batches, lambda: strategies.autocast(self.parallelism, self.device, self.dtype))
+        self._set_lr()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.sched_step += 1
+        return torch.stack([loss_sum.to(self.device, torch.float64),
+                            torch.tensor(float(n), dtype=torch.float64, device=self.device)])
+
+    def dp_sample(self) -> list[Batch]:
+        """This rank's micro-batches of one Poisson-sampled logical batch."""
+        assert self.dp is not None
+        picks = self.dp.sample(self.train_idx, self.gen, self.cfg.site.grad_accum)
+        return [fetch(self.data.train, p, self.data.collate) if len(p) else _empty_like(self.data, self.train_idx)
+                for p in picks]
+
     def step(self, micro_batches: list[Batch]) -> torch.Tensor:
         """Collective: one optimizer step over `micro_batches`, syncing gradients only on the last.
 
@@ -240,12 +279,17 @@ class LocalTrainer:
             self.gen.manual_seed(self._stream_seed(round_no))
         self.model.train()
         total, t0 = torch.zeros(2, dtype=torch.float64, device=self.device), time.perf_counter()
+        if self.dp is not None:
+            self.dp.spend(round_no if round_no is not None else self.rounds_trained + 1, steps)  # before they run
         for _ in range(steps):
-            total += self.step([self.sample(s.batch_size) for _ in range(s.grad_accum)])
+            if self.dp is not None:
+                total += self.dp_step(self.dp_sample())
+            else:
+                total += self.step([self.sample(s.batch_size) for _ in range(s.grad_accum)])
         total = self._summed(total)  # waits for the device: train_s covers the work, not just its queuing
         seconds = time.perf_counter() - t0
         self.rounds_trained += 1
-        out = {"num_examples": len(self.train_idx), "loss": float(total[0] / total[1]), "steps": steps,
+        out = {"num_examples": len(self.train_idx), "loss": float(total[0] / max(total[1], 1)), "steps": steps,
                "samples_seen": int(total[1]), "train_s": seconds}
         if self.device.type == "cuda":
             out["cuda_peak_bytes"] = self._peak_cuda_bytes()
@@ -315,8 +359,19 @@ class LocalTrainer:
         """Collective: the built-in loop's part of one round (the global model is already loaded)."""
         if rnd.evaluating:
             rnd.report(**self.evaluate())
-        else:
-            rnd.report(**self.train(rnd.local_steps, rnd.number))
+            return
+        if self.dp is not None:
+            refused = self.dp.refusal(rnd.number, rnd.local_steps)
+            if refused:
+                if self.rank == 0:
+                    log.warning("site %s: %s", self.cfg.site.id, refused)
+                rnd.refuse(refused)
+                return
+            report = self.train(rnd.local_steps, rnd.number)
+            rnd.figures.update(self.dp.figures())
+            rnd.report(**report)
+            return
+        rnd.report(**self.train(rnd.local_steps, rnd.number))
 
     def run_request(self, method: str, request: dict) -> dict:
         """Collective: one Train or Evaluate request in-process, through the same code as a served
@@ -335,9 +390,14 @@ class LocalTrainer:
     # ---- local checkpoints ----------------------------------------------------------------
     def state_dict(self) -> dict:
         """What a local checkpoint keeps of this loop: sampling stream, schedule position, rounds."""
-        return {"generator": self.gen.get_state(), "sched_step": self.sched_step, "rounds_trained": self.rounds_trained}
+        state = {"generator": self.gen.get_state(), "sched_step": self.sched_step, "rounds_trained": self.rounds_trained}
+        if self.dp is not None:
+            state["privacy_ledger"] = self.dp.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
+        if self.dp is not None:  # never lowers the spent budget (the ledger on disk is ahead of any checkpoint)
+            self.dp.load_state_dict(state.get("privacy_ledger"))
         self.gen.set_state(state["generator"])
         self.sched_step = int(state["sched_step"])
         self.rounds_trained = int(state["rounds_trained"])

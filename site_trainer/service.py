@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from site_trainer.config import TrainerConfig
 from site_trainer.session import ENV_CONFIG, ENV_NODE_RANK, init_process_group, node_ordered_rank
+from site_trainer.privacy.site_privacy import PrivacyRefused
 from site_trainer.strategies import StrategyUnavailable
 
 
@@ -43,6 +44,8 @@ def run(cfg: TrainerConfig, node_rank: int = 0) -> None:
         trainer = LocalTrainer(cfg)
     except StrategyUnavailable as err:
         raise SystemExit(f"site {cfg.site.id}: {err}") from None
+    except PrivacyRefused as err:  # sites[].privacy the site cannot run: the reason, before it serves
+        raise SystemExit(str(err)) from None
     trainer.serve()
     with contextlib.suppress(Exception):  # only after a clean stop: see exit_now
         dist.destroy_process_group()

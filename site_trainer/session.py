@@ -155,6 +155,7 @@ class Round:
         self.local_steps = int(self.config.get("local_steps", session.config.site.local_steps))
         self.load_s = load_s
         self.reported = False
+        self.figures: dict[str, float] = {}  # site figures the loop adds to the reply as they are (rank 0's)
         self._started = time.perf_counter()
 
     @property
@@ -176,6 +177,15 @@ class Round:
             raise SessionError(f"round {self.number} was reported twice; call report() once per round")
         self.reported = True
         self._session._finish(self, num_examples, loss, metrics)
+
+
+    def refuse(self, reason: str) -> None:
+        """Collective: answer this training round with `reason` instead of training it (the built-in
+        loop's DP budget); nothing is sent back, and the coordinator leaves the site out of the round."""
+        if self.reported:
+            raise SessionError(f"round {self.number} was reported twice; call report() or refuse() once per round")
+        self.reported = True
+        self._session._refuse(self, reason)
 
 
 class _Request:
@@ -573,6 +583,14 @@ class Session:
         count = total[0]
         return int(round(count)), {k: (s / count if count > 0 else 0.0) for k, s in zip(keys, total[1:])}
 
+    def _refuse(self, rnd: Round, reason: str) -> None:
+        req, self._current = self._current, None
+        if req is None:
+            return
+        if self.rank == 0:
+            req.answer({"ok": False, "error": f"site {self.site}: {reason}", "refused": True})
+        req.close()
+
     def _finish(self, rnd: Round, num_examples: int, loss, metrics: dict) -> None:
         count, means = self._combine(num_examples, loss, metrics, need_loss=rnd.evaluating)
         req = self._current
@@ -594,7 +612,7 @@ class Session:
         every = self.config.site.checkpoint_every
         if every and self.rounds_reported % every == 0:
             self.ckpt_due = rnd.number  # written before the next request is taken
-        means.update(load_s=rnd.load_s, pack_s=time.perf_counter() - t1, **self.site_metrics)
+        means.update(load_s=rnd.load_s, pack_s=time.perf_counter() - t1, **self.site_metrics, **rnd.figures)
         self.last_files = [handle.path]
         req.answer({"ok": True, "update": handle.to_json(), "num_examples": count, "metrics": means,
                     "rank_digests": digests})

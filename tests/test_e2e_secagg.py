@@ -20,6 +20,8 @@ neighbours' relayed keys), and none is rejected.
 TLS is off and a proxy records every byte between the sites and the SuperLink (a wire audit):
 masking alone keeps each update unreadable, so neither a site's plaintext update nor its encoded
 ring input appears on the wire, while the (public, unmasked) global model does.
+
+A second run (3 sites, SecAgg+, sites[].privacy) has a site whose DP budget stops it after round 2.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from federation.coordinator.checkpoint import load_checkpoint, read_checkpoint
 from federation.config.schema import load_config
 from wiretap import WireTap, found, windows
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow(seconds=80)]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow(seconds=140)]
 
 SITES = ["a", "b", "c", "d"]
 FAULTS = {
@@ -156,4 +158,52 @@ def test_secagg_exact_sums_dropouts_at_each_stage_abort_and_recovery(tmp_path, m
     assert found(needles, tap.down) >= 0.9 * len(needles), "the capture does not see the downlink"
     print(f"secagg e2e: {elapsed:.1f}s, per round: {[round(x['round_s'], 1) for x in lines]}, "
           f"stage seconds r4: {r4['secagg']['stage_s']}")
+    assert live_marked(marker) == []
+
+
+def test_a_site_out_of_privacy_budget_is_left_out_by_name_and_the_others_finish(tmp_path, marker, monkeypatch):
+    """sites[].privacy under SecAgg+: three digits sites train with DP-SGD; a and b calibrate their
+    noise to epsilon 8 over the planned 3 rounds x 3 steps, c has a fixed noise multiplier and a
+    budget that two rounds fit. c refuses round 3 on its own (its ledger, its own config), the
+    coordinator names it and aggregates a and b; every round's line has each site's epsilon and
+    noise multiplier, result.json each site's final epsilon, the report its plot."""
+    from federation.ops.report_cmd import build_report
+    from site_trainer.privacy import accountant
+
+    monkeypatch.setenv(launcher.MARKER, marker)
+    q_c = 16 / 480  # digits partition 2 of 3: 599 images, 480 for training
+    cap_c = accountant.epsilon([(q_c, 1.0, 2 * 3)], 1e-5) + 1e-3
+    privacy = {"a": {"enabled": True, "epsilon": 8.0}, "b": {"enabled": True, "epsilon": 8.0, "accountant": "prv"},
+               "c": {"enabled": True, "noise_multiplier": 1.0, "epsilon": cap_c}}
+    cfg = {
+        "federation": {"name": "dp-e2e", "rounds": 3, "quorum": 2, "update_kind": "delta", "evaluate": False,
+                       "deadlines": {"connect_s": 60, "round_s": 60, "secagg_stage_s": 30, "trainer_start_s": 120},
+                       "secagg": {"enabled": True, "threshold": 2, "neighbours": 2, "clip": CLIP, "bits": 32}},
+        "workload": {"task": "digits", "options": {"hidden": 16}},
+        "sites": [{"id": s, "ranks": 1, "partition": i, "local_steps": 3, "batch_size": 16, "lr": 0.1,
+                   "privacy": {**privacy[s], "max_grad_norm": 1.0}} for i, s in enumerate(["a", "b", "c"])],
+    }
+    path = write_config(tmp_path / "dp.yaml", cfg)
+    run = tmp_path / "run"
+    lines_out: list[str] = []
+    result = launcher.simulate(path, run, lines_out.append, insecure=True)
+    log = "\n".join(lines_out)
+    assert result["status"] == "ok", log
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [x["status"] for x in lines] == ["aggregated"] * 3, log
+    r1, r2, r3 = lines
+    assert set(r1["sites"]) == set(r2["sites"]) == {"a", "b", "c"}
+    assert set(r3["sites"]) == {"a", "b"} and r3["secagg"]["contributors"] == ["a", "b"]
+    assert "privacy budget: round 3" in r3["failed"]["c"] and f"budget {cap_c:g}" in r3["failed"]["c"]
+    assert "round 3: site c excluded" in log and "privacy budget" in log
+    for name in ("a", "b", "c"):  # each trained round: epsilon spent so far, growing, and the noise multiplier
+        eps = [x["sites"][name]["dp_epsilon"] for x in lines if name in x["sites"]]
+        assert eps == sorted(eps) and eps[0] > 0
+        assert all(x["sites"][name]["dp_noise_multiplier"] > 0 for x in lines if name in x["sites"])
+    assert r2["sites"]["c"]["dp_noise_multiplier"] == 1.0 and r2["sites"]["c"]["dp_epsilon"] <= cap_c
+    final = result["privacy"]
+    assert 7.9 < final["a"]["epsilon"] <= 8.0 and 7.9 < final["b"]["epsilon"] <= 8.0  # calibrated: all of it spent
+    assert final["c"]["epsilon"] == r2["sites"]["c"]["dp_epsilon"] and final["c"]["stopped_round"] == 3
+    assert json.loads((run / "sites" / "c" / "privacy" / "ledger.json").read_text())["rounds"] == [[1, 3], [2, 3]]
+    assert "Privacy: epsilon spent per site" in build_report(run).read_text()
     assert live_marked(marker) == []

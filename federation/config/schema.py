@@ -18,7 +18,7 @@ from federation.config.attestation_config import AttestationConfig
 from federation.config.restart_config import SiteRestarts
 from federation.config.strict import StrictModel
 from federation.protocol.codecs import CodecError, parse_codec_config, validate_for_protection
-from site_trainer.config import SiteConfig, WorkloadConfig
+from site_trainer.config import SiteConfig, WorkloadConfig, check_privacy_workload
 
 
 class Deadlines(StrictModel):
@@ -176,6 +176,8 @@ class ExperimentConfig(StrictModel):
             raise ValueError(
                 f"site partitions must be 0..{n - 1}, each used once; got {parts}"
             )
+        for site in self.sites:  # sites[].privacy
+            check_privacy_workload(self.workload, site)
         if self.workload.task is not None and any(s.workload_options for s in self.sites):
             from site_trainer.workload_loader import check_sites  # imports the task: only when needed
 

@@ -16,6 +16,7 @@ from federation.config.schema import ConfigError, load_config
 from federation.coordinator.bulk_server import BulkServer
 from federation.coordinator.checkpoint import CheckpointError
 from federation.coordinator.driver import Coordinator, FederationFailed
+from federation.coordinator.privacy_summary import privacy_by_site
 from federation.coordinator.run_record import record_workload
 
 app = ServerApp()
@@ -101,8 +102,12 @@ def main(grid: Grid, context: Context) -> None:
         resume = str(context.run_config.get("resume", "")).lower() == "true"
         starting = float(context.run_config.get("sites-starting-s", 0) or 0)  # `sovfl simulate` starts sites alongside
         bulk = data_path(str(context.run_config.get("data-address") or ""), bundle, workdir, progress)
-        result = Coordinator(grid, cfg, workdir, context.run_id, initial, progress, bundle, manifest,
-                             sites_starting_s=starting, bulk=bulk).run(resume=resume)
+        coordinator = Coordinator(grid, cfg, workdir, context.run_id, initial, progress, bundle, manifest,
+                                  sites_starting_s=starting, bulk=bulk)
+        result = coordinator.run(resume=resume)
+        privacy = privacy_by_site(coordinator.history)
+        if privacy:  # sites[].privacy: each site's final epsilon, as its own accountant reported it
+            result["privacy"] = privacy
     except (ConfigError, FederationFailed, CheckpointError) as err:
         progress(f"FAILED: {err}")
         result = {"status": "failed", "error": str(err)}

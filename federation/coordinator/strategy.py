@@ -200,6 +200,7 @@ def site_metrics(reply: Reply) -> dict:
                 "bulk_up_bytes", "bulk_up_s", "bulk_down_bytes", "bulk_down_s", "bulk_retries", "bulk_fallback"):
         if key in m:
             out[key] = m[key]
+    out.update({k: v for k, v in m.items() if k.startswith("dp_")})  # sites[].privacy: epsilon spent, sigma, ...
     pii = counts_from_metrics(m)  # the site's PII findings per entity type: counts only
     if pii:
         out["pii"] = pii

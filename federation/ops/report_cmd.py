@@ -1,7 +1,8 @@
 """`sovfl report RUN_DIR`: one self-contained HTML page about a run, from its metrics.jsonl.
 
 Four figures, matplotlib PNGs embedded as data URIs (the page needs no other file and no network):
-loss and accuracy per round; bytes up and down per site and round; compression ratios (uplink
+loss and accuracy per round (beside it, in runs where sites train with `sites[].privacy`, each
+such site's epsilon spent against rounds, with its budget); bytes up and down per site and round; compression ratios (uplink
 and downlink) per round; and a stacked breakdown of each round's wall time from the `timing`
 the coordinator writes into every metrics line:
 
@@ -98,6 +99,21 @@ def _series(lines: list[dict]) -> dict[str, list[tuple[int, float]]]:
     return out
 
 
+def privacy_series(lines: list[dict]) -> list[tuple[str, list[tuple[int, float]], dict]]:
+    """Each DP site's epsilon spent after every round it trained (`dp_epsilon` in its part of the
+    metrics line), and its budget (`dp_epsilon_budget`) as a dashed line."""
+    names = sorted({n for line in lines for n, s in (line.get("sites") or {}).items()
+                    if isinstance((s or {}).get("dp_epsilon"), (int, float))})
+    out = []
+    for name in names:
+        site = lambda line, key: ((line.get("sites") or {}).get(name) or {}).get(key)  # noqa: E731
+        out.append((f"{name} epsilon", _points(lines, lambda line: site(line, "dp_epsilon")), {"marker": "o"}))
+        budget = _points(lines, lambda line: site(line, "dp_epsilon_budget"))
+        if budget:
+            out.append((f"{name} budget", budget, {"linestyle": ":"}))
+    return out
+
+
 def _png(fig) -> str:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
@@ -157,6 +173,9 @@ def figures(lines: list[dict]) -> list[tuple[str, int, str | None]]:
         fig.legend(handles, [h.get_label() for h in handles], loc="upper right", fontsize=8)
     out.append(("Loss and accuracy per round", n, _png(fig) if n else None))
     plt.close(fig)
+    privacy = privacy_series(lines)
+    if privacy:  # only runs with sites[].privacy on: other runs have no such figure at all
+        out.append(_line_figure(plt, "Privacy: epsilon spent per site", "epsilon (at the site's delta)", privacy))
 
     names = sorted({name for line in lines for name in (line.get("sites") or {})})
     traffic = []
