@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from federation.protocol import bulk_rpc as rpc
-from federation.protocol.bulk import Blob, Ref, offload, refs
+from federation.protocol.bulk import Blob, Ref, offload
 
 from .protocol_targets import records_of
 
