@@ -163,3 +163,22 @@ def test_a_second_spelling_of_the_signature_is_refused(es384, jwks) -> None:  # 
     assert verify_jws(token, rjwks, ["RS256"])[1] == {"a": 1}
     with pytest.raises(MalformedEvidence):
         verify_jws(other, rjwks, ["RS256"])
+
+
+@pytest.mark.parametrize("part", [0, 1], ids=["header", "payload"])
+def test_a_second_spelling_of_the_header_or_payload_is_refused(es384, jwks, part) -> None:  # type: ignore[no-untyped-def]
+    """A header or payload whose last base64url character has unused bits set decodes to the same
+    JSON; it is refused as malformed evidence, never a ValueError (found by the NRAS mutation test)."""
+    alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"
+    for claims in ({"a": 1}, {"a": 12}, {"ab": 123}):  # one of these lengths leaves unused bits
+        parts = sign_jws(claims, es384, "ES384", "k1").split(".")
+        if len(parts[part]) % 4 == 0:
+            continue
+        last = alphabet.index(parts[part][-1])
+        spare = 0xF if len(parts[part]) % 4 == 2 else 0x3
+        assert last & spare == 0
+        parts[part] = parts[part][:-1] + alphabet[last | 1]
+        with pytest.raises(MalformedEvidence):
+            verify_jws(".".join(parts), jwks, ["ES384"])
+        return
+    pytest.fail("no test token has a part with unused bits")

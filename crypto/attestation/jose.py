@@ -214,7 +214,11 @@ def x5c_key(chain: Any, roots: Sequence[x509.Certificate], now: dt.datetime) -> 
 
 
 def _part(text: str, what: str) -> dict[str, Any]:
-    obj = load_json(unb64url(text), f"JWS {what}")
+    try:
+        raw = unb64url(text)
+    except ValueError:  # a second spelling of the same bytes (unused bits set): never accepted
+        raise MalformedEvidence(f"the JWS {what} is not canonical base64url") from None
+    obj = load_json(raw, f"JWS {what}")
     if not isinstance(obj, dict):
         raise MalformedEvidence(f"JWS {what} is not a JSON object")
     return obj
