@@ -15,7 +15,6 @@ Node config `data-address` (HOST:PORT of the coordinator's data path) and the si
 
 from __future__ import annotations
 
-import logging
 import sys
 import time
 from functools import cached_property
@@ -29,7 +28,6 @@ from federation.site.bulk_client import STREAMS, BulkClient, BulkUnavailable
 from federation.site.replies import fail
 from federation.site.site_env import SiteEnv, site_env
 
-log = logging.getLogger("sovfl.site.bulk")
 DEFAULT_DEADLINE_S = 120.0  # a message without a round config (discovery, queries)
 
 
