@@ -118,6 +118,10 @@ class SitePrivacy:
             self.sigma = sigma
         self.clipper = PerSampleClipper(module, loss_fn, cfg.max_grad_norm, cfg.per_sample)
         self.reducer = NoisyReducer(self.sigma, cfg.max_grad_norm, device, cfg.noise_seed)
+        if cfg.noise_seed is not None and self.rank == 0:  # for tests: whoever knows the seed can remove the noise
+            log.warning("site %s: sites[].privacy.noise_seed is set: the DP noise is reproducible from it, so the "
+                        "reported epsilon holds only against parties who do not know the seed; unset it outside "
+                        "tests (the noise then comes from OS entropy)", site)
         self.ledger = self._read_ledger()
         self.spent = accountant.epsilon(self.ledger.history, cfg.delta, cfg.accountant)
         if self.rank == 0:
