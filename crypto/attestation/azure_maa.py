@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
-from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field
 
 from .eat_jwt import claim_at
 from .errors import AttestationError, MalformedEvidence, NonceMismatch, TokenExpired, TokenNotYetValid, WrongIssuer
-from .jose import Jwks, PinnedTokenConfig, verify_jws
+from .jose import PinnedTokenConfig, verify_jws
 from .models import AttestationResult, Evidence, b64url, binding, key_hash, numeric_date, same_text, unb64url, utcnow
 from .verifier import Verifier
 
@@ -65,8 +64,7 @@ class AzureMaaVerifier(Verifier):
 
     def __init__(self, config: Any = None):
         super().__init__(config)
-        c = self.config
-        self.jwks = Jwks.from_dict(c.jwks) if c.jwks is not None else Jwks.from_file(Path(c.jwks_path or ""))
+        self.jwks = self.config.pinned_jwks()
 
     def encode_nonce(self, raw: bytes) -> str:
         enc = self.config.nonce_encoding

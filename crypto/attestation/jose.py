@@ -78,6 +78,10 @@ class PinnedTokenConfig(BaseModel):
             raise ValueError("give exactly one of jwks or jwks_path (the issuer's pinned signing keys)")
         return self
 
+    def pinned_jwks(self) -> "Jwks":
+        """The pinned keys, from the config itself or its file."""
+        return Jwks.from_dict(self.jwks) if self.jwks is not None else Jwks.from_file(Path(self.jwks_path or ""))
+
 
 class _Registry(jrfc_jws.JWSRegistry):
     """joserfc's registry with room for an ``x5c`` chain in the header (its default is 512 bytes)."""

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
-from pathlib import Path
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, Field
@@ -28,7 +27,7 @@ from pydantic import BaseModel, Field
 from .errors import (
     AttestationError, MalformedEvidence, NonceMismatch, TokenExpired, TokenNotYetValid, WrongIssuer,
 )
-from .jose import Jwks, PinnedTokenConfig, verify_jws
+from .jose import PinnedTokenConfig, verify_jws
 from .models import AttestationResult, Evidence, b64url, binding, key_hash, load_json, numeric_date, same_text, \
     unb64url, utcnow
 from .verifier import Verifier
@@ -95,8 +94,7 @@ class NrasVerifier(Verifier):
 
     def __init__(self, config: Any = None):
         super().__init__(config)
-        c = self.config
-        self.jwks = Jwks.from_dict(c.jwks) if c.jwks is not None else Jwks.from_file(Path(c.jwks_path or ""))
+        self.jwks = self.config.pinned_jwks()
 
     def _token(self, token: Any, what: str, issuer: str, expected_nonce: str, now: dt.datetime
                ) -> tuple[dict[str, Any], dt.datetime, dt.datetime]:
