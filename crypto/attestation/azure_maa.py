@@ -19,9 +19,9 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, Field
 
 from .eat_jwt import claim_at
-from .errors import AttestationError, MalformedEvidence, NonceMismatch, TokenExpired, TokenNotYetValid, WrongIssuer
-from .jose import PinnedTokenConfig, verify_jws
-from .models import AttestationResult, Evidence, b64url, binding, key_hash, numeric_date, same_text, unb64url, utcnow
+from .errors import AttestationError, MalformedEvidence, NonceMismatch, WrongIssuer
+from .jose import PinnedTokenConfig, token_window, verify_jws
+from .models import AttestationResult, Evidence, b64url, binding, key_hash, same_text, unb64url, utcnow
 from .verifier import Verifier
 
 
@@ -75,16 +75,7 @@ class AzureMaaVerifier(Verifier):
         _, claims = verify_jws(evidence.payload, self.jwks, c.algorithms, understood_crit=c.understood_crit, now=now)
         if not same_text(claims.get("iss"), c.issuer):
             raise WrongIssuer(f"iss {str(claims.get('iss'))[:80]!r}, expected {c.issuer!r}")
-        skew = dt.timedelta(seconds=c.clock_skew_s)
-        if "exp" not in claims or "iat" not in claims:
-            raise MalformedEvidence("token has no exp or iat")
-        exp, iat = numeric_date(claims["exp"], "exp"), numeric_date(claims["iat"], "iat")
-        if now > exp + skew:
-            raise TokenExpired(f"expired at {exp.isoformat()}")
-        if "nbf" in claims and now + skew < numeric_date(claims["nbf"], "nbf"):
-            raise TokenNotYetValid(f"not valid before {claims['nbf']}")
-        if now + skew < iat:
-            raise TokenNotYetValid(f"issued in the future ({iat.isoformat()})")
+        iat, exp = token_window(claims, now, c.clock_skew_s)
 
         tee = claims.get("x-ms-isolation-tee")
         tee = tee if isinstance(tee, dict) else claims  # guest attestation nests the TEE's claims

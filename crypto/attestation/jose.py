@@ -31,10 +31,10 @@ from joserfc.jwk import ECKey, OKPKey, RSAKey
 from joserfc.registry import HeaderParameter
 
 from .errors import (
-    BadCertificateChain, BadSignature, MalformedEvidence, UnknownSigningKey, UnsupportedAlgorithm,
-    UnsupportedCriticalHeader, UntrustedRoot, WrongKeyType,
+    BadCertificateChain, BadSignature, MalformedEvidence, TokenExpired, TokenNotYetValid, UnknownSigningKey,
+    UnsupportedAlgorithm, UnsupportedCriticalHeader, UntrustedRoot, WrongKeyType,
 )
-from .models import b64url, is_b64url, load_json, unb64url, utcnow
+from .models import b64url, is_b64url, load_json, numeric_date, unb64url, utcnow
 
 # Every algorithm a verifier may list. Symmetric (HS*), "none" and anything JWE are absent on purpose.
 _EC_CURVES = {"ES256": "P-256", "ES384": "P-384", "ES512": "P-521"}
@@ -81,6 +81,23 @@ class PinnedTokenConfig(BaseModel):
     def pinned_jwks(self) -> "Jwks":
         """The pinned keys, from the config itself or its file."""
         return Jwks.from_dict(self.jwks) if self.jwks is not None else Jwks.from_file(Path(self.jwks_path or ""))
+
+
+def token_window(claims: Mapping[str, Any], now: dt.datetime, skew_s: float, what: str = "token"
+                 ) -> tuple[dt.datetime, dt.datetime]:
+    """(iat, exp) of a token's claims, checked against `now` with `skew_s` of clock skew either way:
+    exp and iat required, nbf honoured (MalformedEvidence, TokenExpired, TokenNotYetValid)."""
+    skew = dt.timedelta(seconds=skew_s)
+    if "exp" not in claims or "iat" not in claims:
+        raise MalformedEvidence(f"{what} has no exp or iat")
+    exp, iat = numeric_date(claims["exp"], "exp"), numeric_date(claims["iat"], "iat")
+    if now > exp + skew:
+        raise TokenExpired(f"{what} expired at {exp.isoformat()}")
+    if "nbf" in claims and now + skew < numeric_date(claims["nbf"], "nbf"):
+        raise TokenNotYetValid(f"{what} is not valid before {claims['nbf']}")
+    if now + skew < iat:
+        raise TokenNotYetValid(f"{what} was issued in the future ({iat.isoformat()})")
+    return iat, exp
 
 
 class _Registry(jrfc_jws.JWSRegistry):

@@ -25,10 +25,10 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, Field
 
 from .errors import (
-    AttestationError, MalformedEvidence, NonceMismatch, TokenExpired, TokenNotYetValid, WrongIssuer,
+    AttestationError, MalformedEvidence, NonceMismatch, WrongIssuer,
 )
-from .jose import PinnedTokenConfig, verify_jws
-from .models import AttestationResult, Evidence, b64url, binding, key_hash, load_json, numeric_date, same_text, \
+from .jose import PinnedTokenConfig, token_window, verify_jws
+from .models import AttestationResult, Evidence, b64url, binding, key_hash, load_json, same_text, \
     unb64url, utcnow
 from .verifier import Verifier
 
@@ -102,16 +102,7 @@ class NrasVerifier(Verifier):
         _, claims = verify_jws(token, self.jwks, c.algorithms, understood_crit=c.understood_crit, now=now)
         if not same_text(claims.get("iss"), issuer):
             raise WrongIssuer(f"{what}: iss {str(claims.get('iss'))[:80]!r}, expected {issuer!r}")
-        skew = dt.timedelta(seconds=c.clock_skew_s)
-        if "exp" not in claims or "iat" not in claims:
-            raise MalformedEvidence(f"{what} has no exp or iat")
-        exp, iat = numeric_date(claims["exp"], "exp"), numeric_date(claims["iat"], "iat")
-        if now > exp + skew:
-            raise TokenExpired(f"{what} expired at {exp.isoformat()}")
-        if "nbf" in claims and now + skew < numeric_date(claims["nbf"], "nbf"):
-            raise TokenNotYetValid(f"{what} is not valid before {claims['nbf']}")
-        if now + skew < iat:
-            raise TokenNotYetValid(f"{what} was issued in the future ({iat.isoformat()})")
+        iat, exp = token_window(claims, now, c.clock_skew_s, what)
         got = claims.get("eat_nonce")
         if not (isinstance(got, str) and same_text(got.lower(), expected_nonce)):
             raise NonceMismatch(f"{what}: eat_nonce does not bind this challenge and key")
