@@ -30,6 +30,38 @@ def test_weighted_mean_is_sample_weighted():
         WeightedMean().result()
 
 
+def test_weighted_mean_in_slices_is_the_float64_formula_bit_for_bit(monkeypatch):
+    """Folding slice by slice (bounded temporaries) computes exactly Σ f64(u)·n / Σ n, rounded to
+    float32 once, for tensors many slices long and one shorter than a slice; the sum is consumed."""
+    import federation.coordinator.aggregate as agg
+
+    monkeypatch.setattr(agg, "SLICE", 1000)
+    rng = np.random.default_rng(1)
+    ups = [{"big": rng.normal(size=(37, 101)).astype(np.float32), "small": rng.normal(size=7).astype(np.float32)}
+           for _ in range(3)]
+    ns = [3, 11, 5]
+    m = agg.WeightedMean()
+    for u, n in zip(ups, ns):
+        m.add(u, n)
+    got = m.result()
+    for k in ("big", "small"):
+        want = (sum(u[k].astype(np.float64) * n for u, n in zip(ups, ns)) / sum(ns)).astype(np.float32)
+        assert got[k].dtype == np.float32 and np.array_equal(got[k], want)
+    with pytest.raises(ValueError, match="no update"):
+        m.result()
+
+
+def test_fedavg_step_consuming_the_mean_equals_the_plain_step():
+    rng = np.random.default_rng(2)
+    model = {k: rng.normal(size=50).astype(np.float32) for k in "ab"}
+    mean = {k: rng.normal(size=50).astype(np.float32) for k in "ab"}
+    for kind, lr in (("delta", 0.7), ("weights", 1.0), ("weights", 0.5)):
+        want = ServerOptimizer("fedavg", kind, lr=lr).step(model, dict(mean))
+        eaten = dict(mean)
+        got = ServerOptimizer("fedavg", kind, lr=lr).step(model, eaten, consume=True)
+        assert eaten == {} and all(np.array_equal(got[k], want[k]) for k in model)
+
+
 def test_fedavg_weights_and_delta():
     model = {"w": np.ones(4, np.float32)}
     assert np.array_equal(ServerOptimizer("fedavg", "weights").step(model, {"w": np.full(4, 3, np.float32)})["w"], np.full(4, 3))

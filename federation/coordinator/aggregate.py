@@ -18,8 +18,14 @@ import numpy as np
 from federation.protocol.codecs import Arrays
 
 
+SLICE = 1 << 22  # elements per step of the accumulation: bounds its temporaries to 32 MiB, whatever the tensor
+
+
 class WeightedMean:
-    """Σ n_i·u_i / Σ n_i, accumulated one update at a time."""
+    """Σ n_i·u_i / Σ n_i, accumulated one update at a time in float64 (so the float32 result does not
+    depend on the order the updates arrive in, in practice), slice by slice, so that folding an
+    update in allocates nothing of its size: the coordinator holds the float64 sum and the one
+    update being folded (issue 19's memory model)."""
 
     def __init__(self) -> None:
         self._sum: Arrays = {}
@@ -33,17 +39,28 @@ class WeightedMean:
         for name, arr in update.items():
             acc = self._sum.get(name)
             if acc is None:
-                self._sum[name] = arr.astype(np.float64) * weight
-            else:
-                acc += arr.astype(np.float64, copy=False) * weight
+                acc = self._sum[name] = np.empty(arr.shape, np.float64)
+                np.multiply(arr, weight, out=acc, dtype=np.float64)  # cast in the ufunc's own small buffers
+                continue
+            flat_acc, flat = acc.reshape(-1), np.asarray(arr).reshape(-1)
+            for lo in range(0, flat.size, SLICE):
+                flat_acc[lo:lo + SLICE] += flat[lo:lo + SLICE].astype(np.float64) * weight
         self.total_weight += weight
         self.count += 1
 
     def result(self) -> Arrays:
-        """The mean so far, float32."""
+        """The mean, float32. Consumes the sum: each float64 tensor is freed once converted, so the
+        peak is the sum plus one tensor, not the sum plus the mean."""
         if not self.count:
             raise ValueError("no update was added")
-        return {k: (v / self.total_weight).astype(np.float32) for k, v in self._sum.items()}
+        out = {}
+        for name in list(self._sum):
+            acc = self._sum.pop(name)
+            np.divide(acc, self.total_weight, out=acc)
+            out[name] = acc.astype(np.float32)
+            del acc
+        self.count = 0
+        return out
 
 
 @dataclass
@@ -63,13 +80,22 @@ class ServerOptimizer:
     v: Arrays = field(default_factory=dict)
     buf: Arrays = field(default_factory=dict)  # diloco's momentum buffer, in the direction of the mean delta
 
-    def step(self, model: Arrays, mean_update: Arrays) -> Arrays:
-        """The next global model from the round's mean update (weights or delta, per update_kind)."""
+    def step(self, model: Arrays, mean_update: Arrays, consume: bool = False) -> Arrays:
+        """The next global model from the round's mean update (weights or delta, per update_kind).
+        `consume`: FedAvg takes the mean's tensors out of `mean_update` as it goes (it is not needed
+        after), so the step never holds the old model, the whole mean and the whole new model."""
+        if self.strategy == "fedavg":  # the commonest case, tensor by tensor: the peak is one tensor over model + mean
+            out = {}
+            for k in model:
+                u = mean_update.pop(k) if consume else mean_update[k]
+                if self.update_kind == "weights" and self.lr == 1.0:
+                    out[k] = u.astype(np.float32, copy=not consume)
+                else:
+                    d = u if self.update_kind == "delta" else u - model[k]
+                    out[k] = (model[k] + self.lr * d).astype(np.float32, copy=False)
+                del u
+            return out
         delta = mean_update if self.update_kind == "delta" else {k: mean_update[k] - model[k] for k in model}
-        if self.strategy == "fedavg":
-            if self.update_kind == "weights" and self.lr == 1.0:
-                return {k: mean_update[k].astype(np.float32) for k in model}
-            return {k: (model[k] + self.lr * delta[k]).astype(np.float32) for k in model}
         if self.strategy == "diloco":
             return self._outer_sgd(model, delta)
         out = {}

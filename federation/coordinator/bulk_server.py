@@ -92,6 +92,7 @@ class BulkServer:
     def stop(self) -> None:
         """Stop serving and delete every upload's file."""
         self._server.stop(grace=1.0).wait(5)
+        self.withdraw()
         with self._lock:
             for up in self.uploads.values():
                 _close(up)
@@ -104,16 +105,24 @@ class BulkServer:
         self.run_id, self.round = run_id, rnd
 
     def offer(self, blob: Blob) -> str:
-        """Serve `blob` to the sites until `withdraw`; its root."""
+        """Serve `blob` to the sites until `withdraw`; its root. The blob is spilled to a file under
+        WORKDIR/bulk first and served from there, so the coordinator does not hold a serialized
+        copy of the model while the stage waits for the sites' updates."""
         root = blob.root
+        with self._lock:
+            if root in self.offered:
+                return root
+        blob.spill(str(self.dir / f"offer-{root[:16]}"))
         with self._lock:
             self.offered[root] = blob
         return root
 
     def withdraw(self) -> None:
-        """Stop serving what was offered (the stage is over)."""
+        """Stop serving what was offered (the stage is over) and delete the files."""
         with self._lock:
-            self.offered.clear()
+            blobs, self.offered = list(self.offered.values()), {}
+        for blob in blobs:
+            blob.close()
 
     def take(self, site: str, root: str, size: int, chunk: int) -> memoryview:
         """The verified blob `site` uploaded as `root`, a read-only map of its file (BulkRefused:
@@ -275,7 +284,10 @@ class BulkServer:
             self._abort(context, err)
         yield rpc.encode({"size": blob.size, "chunk": blob.chunk, "digests": [d.hex() for d in blob.digests]})
         for i in indices:
-            piece = blob.piece(i)
+            try:
+                piece = blob.piece(i)
+            except OSError:  # withdrawn while this stream read it: the stage is over
+                self._abort(context, self._refuse("not_offered", f"site {site}: blob {root[:12]} was withdrawn"))
             with self._lock:
                 self.bytes_out += len(piece)
             yield rpc.chunk_message(i, piece)

@@ -49,6 +49,7 @@ class DownlinkSender:
         self._dense: Counter[str] = Counter()
         self._modes: Counter[str] = Counter()
         self._encode_s = 0.0
+        self._cache: dict[tuple, dict] = {}  # the current stage's serialized records
 
     # ---- the reference -------------------------------------------------------------------------
     def update(self, model: Arrays) -> None:
@@ -95,6 +96,7 @@ class DownlinkSender:
         serialized once per stage and shared by every message that carries it."""
         self.update(model)
         cache: dict[tuple, dict] = {}
+        self._cache = cache
         dense = sum(4 * int(v.size) for v in model.values())
 
         def records(node: int) -> dict:
@@ -111,6 +113,11 @@ class DownlinkSender:
             return cache[key]
 
         return records
+
+    def forget_stage(self) -> None:
+        """The stage's messages are pushed: drop their serialized records (a later message of the
+        stage serializes again), so a model's serialized copy does not live through the stage."""
+        self._cache.clear()
 
     def heard(self, node: int, status: Mapping) -> None:
         """A good reply: remember the model digest the site says it holds (if it says one)."""

@@ -227,6 +227,7 @@ class Coordinator:
             else:
                 self._side[mid] = (node, seen, t0 + ex.deadline_s)
         del built
+        self.downlink.forget_stage()  # pushed: the serialized model lives on in the SuperLink or the data path's file
         result.push_s = time.monotonic() - t0
         end = time.monotonic() + ex.deadline_s
         poll = PollSchedule()  # (polling.py: how often a wait asks the SuperLink)
@@ -655,7 +656,8 @@ class Coordinator:
                 1, sum(s.get("upload_bytes", dense) for s in out.per_site.values()))
         if out.mean is not None and out.count >= self.fed.quorum:
             t1 = time.monotonic()
-            self.model = self.opt.step(self.model, out.mean)
+            self.model = self.opt.step(self.model, out.mean, consume=True)
+            out.mean = None
             timing.update(optimizer_s=round(time.monotonic() - t1, 4))
             line["status"] = "aggregated"
             self.aggregated[rnd] = sorted(out.per_site)

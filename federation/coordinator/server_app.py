@@ -13,6 +13,7 @@ from flwr.serverapp import Grid, ServerApp
 from crypto.pki import CoordinatorBundle
 from federation.config import AttestationConfig, resolve
 from federation.config.schema import ConfigError, load_config
+from federation.protocol.malloc_policy import return_freed_tensors
 from federation.coordinator.bulk_server import BulkServer
 from federation.coordinator.checkpoint import CheckpointError
 from federation.coordinator.driver import Coordinator, FederationFailed
@@ -65,6 +66,7 @@ def data_path(address: str, bundle: CoordinatorBundle | None, workdir: Path, pro
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """The ServerApp: load the experiment file and keys, run the Coordinator, always write result.json."""
+    return_freed_tensors()  # whole models come and go every round (protocol/malloc_policy.py)
     workdir = Path(str(context.run_config.get("workdir") or ".")).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     progress = progress_writer(workdir)
@@ -104,6 +106,7 @@ def main(grid: Grid, context: Context) -> None:
         bulk = data_path(str(context.run_config.get("data-address") or ""), bundle, workdir, progress)
         coordinator = Coordinator(grid, cfg, workdir, context.run_id, initial, progress, bundle, manifest,
                                   sites_starting_s=starting, bulk=bulk)
+        del initial  # the coordinator holds the model; the round-0 copy must not outlive round 1
         result = coordinator.run(resume=resume)
         privacy = privacy_by_site(coordinator.history)
         if privacy:  # sites[].privacy: each site's final epsilon, as its own accountant reported it

@@ -104,11 +104,16 @@ class Blob:
             self._starts.append(pos)
             pos += len(b)
         self._digests: list[bytes] | None = None
+        self._fd: int | None = None
+        self.path: str | None = None
 
     def piece(self, index: int):
-        """Chunk `index`: a view into one buffer, or a copy of the parts of several."""
+        """Chunk `index`: a view into one buffer, or a copy of the parts of several (read from the
+        file once spilled)."""
         lo = index * self.chunk
         hi = lo + chunk_len(self.size, index, self.chunk)
+        if self._fd is not None:
+            return os.pread(self._fd, hi - lo, lo)
         parts = []
         for start, buf in zip(self._starts, self.buffers):
             end = start + len(buf)
@@ -130,6 +135,33 @@ class Blob:
     def root(self) -> str:
         """The blob's name."""
         return root_of(self.size, self.chunk, self.digests)
+
+    def spill(self, path: str) -> None:
+        """Write the blob to `path` and serve its chunks from there: the buffers are let go, so a
+        blob offered for a whole stage (the model) costs the page cache, not the process's memory.
+        Digests are computed first, from the buffers."""
+        self.digests  # noqa: B018 (computed from the buffers while they are here)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            for i in range(self.count):
+                os.pwrite(fd, self.piece(i), i * self.chunk)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        self._fd, self.path, self.buffers = fd, path, []
+
+    def close(self) -> None:
+        """Delete the spilled file (chunks can no longer be read)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if self.path is not None:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+            self.path = None
 
 
 def check_manifest(root: str, size: int, chunk: int, digests: list[bytes]) -> None:

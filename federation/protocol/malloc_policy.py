@@ -1,0 +1,38 @@
+"""Give freed tensor memory back to the system, in the processes that handle whole models.
+
+glibc serves an allocation of at least its mmap threshold with its own mapping, returned to the
+system on free; smaller ones come from the heap, which it rarely shrinks. The threshold starts at
+128 KiB but rises to the size of each large block freed (up to 32 MiB), so after one round of a
+model's tensors most of the next round's come from the heap and stay resident after they are
+freed: measured on the coordinator at 101M parameters, 1.7 GB more between rounds than the model
+(benchmarks/large_update.py). Setting the threshold explicitly turns that adjustment off.
+
+numpy-free and torch-free (the ClientApp imports it); a no-op where the C library is not glibc.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+
+M_MMAP_THRESHOLD = -3  # mallopt(3) parameter numbers (malloc.h)
+THRESHOLD = 1 << 20  # bytes: an array this large or larger has its own mapping
+
+log = logging.getLogger("sovfl.memory")
+_done = False
+
+
+def return_freed_tensors(threshold: int = THRESHOLD) -> bool:
+    """Fix glibc's mmap threshold at `threshold` bytes for this process (once); whether it was set."""
+    global _done
+    if _done:
+        return True
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        _done = bool(libc.mallopt(M_MMAP_THRESHOLD, threshold))
+    except (OSError, AttributeError):  # not glibc (musl, macOS): its allocator decides
+        _done = False
+    if not _done:
+        log.debug("mallopt(M_MMAP_THRESHOLD) unavailable: freed tensor memory may stay resident")
+    return _done
