@@ -113,6 +113,9 @@ class LocalTrainer:
                                site_metrics=site_metrics,
                                device=self.device, describe={"compute": "bf16" if self.dtype else "fp32",
                                                              "loop": "task"})
+        self._background_total: torch.Tensor | None = None  # [loss x samples, samples] of background steps
+        if self.dp is None:  # DP-SGD spends budget per round before its steps: no steps ahead of a request
+            self.session.keep_training(self.background_step)
         if self.rank == 0:
             lay = self.session.layout
             log.info("site %s: task %s, parallelism %s on %d rank(s) (%d node(s)), %s compute, grad_accum %d%s; "
@@ -264,7 +267,19 @@ class LocalTrainer:
         self.sched_step += 1
         return total
 
-    def train(self, steps: int, round_no: int | None = None) -> dict:
+    def background_step(self, round_no: int, first: bool) -> None:
+        """Collective: one step of round `round_no` taken before its request arrived (federation.
+        overlap, site_trainer/overlap.py); the first places the schedule and the batch stream at
+        that round's start, as `train` would. Its loss counts in that round's report."""
+        if first:
+            self.sched_step = (round_no - 1) * self.cfg.site.local_steps
+            self.gen.manual_seed(self._stream_seed(round_no))
+            self._background_total = torch.zeros(2, dtype=torch.float64, device=self.device)
+            self.model.train()
+        s = self.cfg.site
+        self._background_total += self.step([self.sample(s.batch_size) for _ in range(s.grad_accum)])
+
+    def train(self, steps: int, round_no: int | None = None, background: int = 0) -> dict:
         """Collective: `steps` optimizer steps of `grad_accum` sampled micro-batches each; returns this
         rank's report (the site's loss and samples, already summed over ranks).
 
@@ -272,16 +287,23 @@ class LocalTrainer:
         (r - 1) x local_steps, so a site that was not sampled in some rounds is where the others are;
         and it seeds the round's batch sampling, so that a round run again (after a coordinator
         restart, federation/coordinator/resume.py) or by a restarted trainer draws the same batches.
+        `background`: that many of the round's steps were already taken (`background_step`) and
+        folded in; the schedule and batch stream go on from them and `steps - background` remain.
         """
         s = self.cfg.site
-        if round_no is not None and round_no >= 1:
-            self.sched_step = (round_no - 1) * s.local_steps
-            self.gen.manual_seed(self._stream_seed(round_no))
+        carried, self._background_total = self._background_total, None
+        if not background:
+            carried = None
+            if round_no is not None and round_no >= 1:
+                self.sched_step = (round_no - 1) * s.local_steps
+                self.gen.manual_seed(self._stream_seed(round_no))
         self.model.train()
-        total, t0 = torch.zeros(2, dtype=torch.float64, device=self.device), time.perf_counter()
+        t0 = time.perf_counter()
+        total = carried if carried is not None else torch.zeros(2, dtype=torch.float64, device=self.device)
         if self.dp is not None:
             self.dp.spend(round_no if round_no is not None else self.rounds_trained + 1, steps)  # before they run
-        for _ in range(steps):
+        remaining = max(steps - background, 0)
+        for _ in range(remaining):
             if self.dp is not None:
                 total += self.dp_step(self.dp_sample())
             else:
@@ -289,7 +311,8 @@ class LocalTrainer:
         total = self._summed(total)  # waits for the device: train_s covers the work, not just its queuing
         seconds = time.perf_counter() - t0
         self.rounds_trained += 1
-        out = {"num_examples": len(self.train_idx), "loss": float(total[0] / max(total[1], 1)), "steps": steps,
+        out = {"num_examples": len(self.train_idx), "loss": float(total[0] / max(total[1], 1)),
+               "steps": background + remaining,
                "samples_seen": int(total[1]), "train_s": seconds}
         if self.device.type == "cuda":
             out["cuda_peak_bytes"] = self._peak_cuda_bytes()
@@ -371,7 +394,7 @@ class LocalTrainer:
             rnd.figures.update(self.dp.figures())
             rnd.report(**report)
             return
-        rnd.report(**self.train(rnd.local_steps, rnd.number))
+        rnd.report(**self.train(rnd.local_steps, rnd.number, background=rnd.background_steps))
 
     def run_request(self, method: str, request: dict) -> dict:
         """Collective: one Train or Evaluate request in-process, through the same code as a served

@@ -49,6 +49,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from site_trainer import endpoint, handoff, layout, local_checkpoint, strategies, transfer
+from site_trainer.overlap import BackgroundStep, Overlap
 from site_trainer.config import SiteConfig, TrainerConfig
 from site_trainer.launch import check_node_rank
 
@@ -154,6 +155,9 @@ class Round:
         self.config: dict = dict(request.get("config") or {})
         self.local_steps = int(self.config.get("local_steps", session.config.site.local_steps))
         self.load_s = load_s
+        # steps of this round already taken in the background and folded in (site_trainer/overlap.py):
+        # the loop trains local_steps - background_steps more
+        self.background_steps = 0
         self.reported = False
         self.figures: dict[str, float] = {}  # site figures the loop adds to the reply as they are (rank 0's)
         self._started = time.perf_counter()
@@ -266,6 +270,11 @@ class Session:
         self.ckpt_due: int | None = None  # rank 0: the round the next local checkpoint covers
         self.trained_round = 0  # the newest round trained (a local checkpoint's round after a resume)
         self._current: _Request | None = None
+        # federation.overlap: steps between a reply and the next request (site_trainer/overlap.py)
+        self.overlap = Overlap()
+        self._idle_s = 0.0  # rank 0: seconds waiting for a command since the last train reply
+        self._last_reply: float | None = None  # rank 0: when the last train reply was answered
+        self._overlap_warned = False
         if config.site.checkpoint_every:
             self.resume()
 
@@ -277,6 +286,21 @@ class Session:
     def options(self) -> dict[str, Any]:
         """This site's workload options (workload.options with the site's workload_options merged)."""
         return self.config.options
+
+    def keep_training(self, step: BackgroundStep) -> None:
+        """Let the ranks train between a reply and the next request when the round asks for it
+        (federation.overlap): `step(round_no, first)` is one collective optimizer step of round
+        `round_no` (`first`: the first of this gap: place the schedule and batch stream there). The
+        built-in loop registers its own; without one, the ranks wait as before."""
+        self.overlap.step_fn = step
+
+    def run_background(self, steps: int) -> int:
+        """Collective: up to `steps` background steps now, as the served loop takes them between
+        requests (tools and tests); returns how many were taken."""
+        n = max(0, min(steps, self.overlap.budget - self.overlap.steps)) if self.overlap.pending else 0
+        if n:
+            self.overlap.run(n)
+        return n
 
     # ---- the exchanged tensors -----------------------------------------------------------
     def _entries(self) -> list[transfer.Entry]:
@@ -332,6 +356,8 @@ class Session:
             "num_val_examples": int(self.num_val_examples or 0),
             "spec": {n: [d, list(shape)] for n, (d, shape) in self.layout.wire_spec().items()},
             "manifest": self.manifest,
+            # federation.overlap: background steps taken since the last reply, of how many allowed
+            "background_steps": self.overlap.steps, "background_budget": self.overlap.budget,
             **self.describe,
         }
 
@@ -445,16 +471,32 @@ class Session:
                 os.unlink(p)
 
     def _take_request(self) -> tuple[str, dict, Future | None]:
-        """Rank 0: the next request, a heartbeat when none came in time, or Stop."""
-        end = time.monotonic() + (0.0 if self.ckpt_due is not None else HEARTBEAT_S)  # a due checkpoint: now
-        while not self._stop_requested:
-            try:
-                method, request, fut = self.commands.get(timeout=max(0.0, min(POLL_S, end - time.monotonic())))
-                return method, request, fut
-            except queue.Empty:
-                if time.monotonic() >= end:
-                    return "Heartbeat", {}, None
-        return "Stop", {}, None
+        """Rank 0: the next request, background steps while they are due and none came (federation.
+        overlap), a heartbeat when none came in time, or Stop. Time spent waiting is idle time."""
+        background = self.overlap.pending
+        now = time.monotonic()
+        end = now + (0.0 if self.ckpt_due is not None or background else HEARTBEAT_S)  # a due checkpoint: now
+        try:
+            while not self._stop_requested:
+                try:
+                    method, request, fut = self.commands.get(timeout=max(0.0, min(POLL_S, end - time.monotonic())))
+                    return method, request, fut
+                except queue.Empty:
+                    if time.monotonic() >= end:
+                        if background:
+                            return "Step", {"steps": self._background_chunk()}, None
+                        return "Heartbeat", {}, None
+            return "Stop", {}, None
+        finally:
+            if not background and self.ckpt_due is None:
+                self._idle_s += time.monotonic() - now
+
+    def _background_chunk(self) -> int:
+        """Rank 0: how many background steps to run before looking for a request again: about
+        POLL_S of work (one step at first), never past the budget."""
+        ov = self.overlap
+        per_step = ov.seconds / ov.steps if ov.steps else POLL_S
+        return max(1, min(ov.budget - ov.steps, int(POLL_S / max(per_step, 1e-6))))
 
     def _next_command(self) -> tuple[_Request | None, str | None]:
         """Collective: rank 0 takes the next request and tells every rank what to run ("train",
@@ -477,7 +519,7 @@ class Session:
                     if not fut.cancelled():
                         fut.set_result({"ok": False, "error": f"site {self.site}: {err}"})
                     method, request, fut = "Heartbeat", {}, None
-            elif method not in ("Heartbeat", "Stop"):
+            elif fut is not None:  # a caller's method the loop does not run (Heartbeat, Step, Stop are its own)
                 fut.set_result({"ok": False, "error": f"site {self.site}: unknown method {method!r}"})
                 method, request, fut = "Heartbeat", {}, None
             header = [method, {k: v for k, v in request.items() if k != "global"}, ckpt]
@@ -491,6 +533,9 @@ class Session:
         if method == "Stop":
             return None, "stop"
         if method == "Heartbeat":
+            return None, None
+        if method == "Step":  # every rank: the same background steps (site_trainer/overlap.py)
+            self.overlap.run(int(request["steps"]))
             return None, None
         req = _Request(method, request, fut, reader) if self.rank == 0 else _Request(method, request, None, None)
         return req, {"Train": "train", "Evaluate": "evaluate"}[method]
@@ -515,6 +560,8 @@ class Session:
         round trained again (the coordinator resumed and reruns the round in flight) first rewinds
         the local state to before it (`rewind`)."""
         t0 = time.perf_counter()
+        entries = self._entries()
+        self.overlap.freeze(entries)  # background progress stops here; loading w overwrites the weights
         if kind == "train":
             self.rewind(int(req.request.get("round", 0)))
         refused = self.load(req.reader)
@@ -525,7 +572,17 @@ class Session:
             req.close()
             return None
         self._current = req
-        return Round(self, kind, req.request, time.perf_counter() - t0)
+        rnd = Round(self, kind, req.request, time.perf_counter() - t0)
+        if kind == "train":
+            rnd.background_steps, discarded, seconds = self.overlap.fold(entries, rnd.number)
+            if rnd.config.get("overlap") or rnd.background_steps or discarded:
+                rnd.figures.update(background_steps=rnd.background_steps, background_s=seconds)
+            if discarded:
+                rnd.figures["overlap_discarded_steps"] = discarded
+                if self.rank == 0:
+                    log.info("site %s: %d background step(s) discarded: round %d is not the round they were "
+                             "taken for", self.site, discarded, rnd.number)
+        return rnd
 
     def _end(self, rnd: Round, closing: bool = False) -> None:
         req, self._current = self._current, None
@@ -607,15 +664,41 @@ class Session:
         self.rounds_reported += 1
         self.trained_round = rnd.number
         if self.rank != 0:
+            self._after_reply(rnd)
             return
         self.num_examples = count
         every = self.config.site.checkpoint_every
         if every and self.rounds_reported % every == 0:
             self.ckpt_due = rnd.number  # written before the next request is taken
         means.update(load_s=rnd.load_s, pack_s=time.perf_counter() - t1, **self.site_metrics, **rnd.figures)
+        means.update(self._idle_figures())
         self.last_files = [handle.path]
         req.answer({"ok": True, "update": handle.to_json(), "num_examples": count, "metrics": means,
                     "rank_digests": digests})
+        self._after_reply(rnd)  # the weights just sent, kept after the reply left (not on its path)
+
+    def _idle_figures(self) -> dict[str, float]:
+        """Rank 0, at a train reply: the seconds the ranks waited for a command since the previous
+        train reply and their share of that span (none at the first reply of this trainer)."""
+        now, last = time.monotonic(), self._last_reply
+        idle, self._idle_s, self._last_reply = self._idle_s, 0.0, now
+        if last is None or now <= last:
+            return {}
+        return {"idle_s": idle, "idle_fraction": min(1.0, idle / (now - last))}
+
+    def _after_reply(self, rnd: Round) -> None:
+        """Collective (local on each rank): with the round's `overlap`, remember the weights just sent
+        and let background steps start (up to the round's local_steps)."""
+        if not rnd.config.get("overlap"):
+            self.overlap.clear()
+            return
+        if self.overlap.step_fn is None:
+            if self.rank == 0 and not self._overlap_warned:
+                log.warning("site %s: the round asks for overlap, but this site's loop registered no background "
+                            "step (a script's session): its ranks wait between rounds", self.site)
+            self._overlap_warned = True
+            return
+        self.overlap.sent(self._entries(), rnd.number, rnd.local_steps)
 
     def _pack_update(self, req: _Request, kind: str, round_no: int) -> tuple[handoff.Handle | None, list[str]]:
         """Collective: stream the exchanged tensors into rank 0's hand-off file (weights, or the delta

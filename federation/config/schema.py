@@ -65,6 +65,8 @@ class FederationConfig(StrictModel):
     server_nesterov: bool | None = Field(None, description="diloco only: Nesterov momentum (default true, "
                                          "DiLoCo's); false: heavy-ball")
     evaluate: bool = Field(True, description="evaluate the global model on every site after each round")
+    overlap: bool = Field(False, description="sites keep training while their update travels and fold the next "
+                          "global model in when it arrives (a one-round-delayed outer step; configs/README.md)")
     seed: int = Field(0, description="sampling, round seeds of shared-seed codecs, downlink steps")
     deadlines: Deadlines = Deadlines()
     codec: str = Field("identity", description="update codec spec, e.g. 'topk:0.01+int8' (see configs/README.md)")
@@ -178,11 +180,31 @@ class ExperimentConfig(StrictModel):
             )
         for site in self.sites:  # sites[].privacy
             check_privacy_workload(self.workload, site)
+        if self.federation.overlap:
+            _check_overlap(self.workload, self.sites)
         if self.workload.task is not None and any(s.workload_options for s in self.sites):
             from site_trainer.workload_loader import check_sites  # imports the task: only when needed
 
             check_sites(self.workload, self.sites)  # a script is checked on its site, when it starts
         return self
+
+
+def _check_overlap(workload: WorkloadConfig, sites: list[SiteConfig]) -> None:
+    """federation.overlap runs background steps in the built-in loop: a script owns its steps, and
+    DP-SGD would spend budget on steps that may be discarded."""
+    if workload.script is not None:
+        raise ValueError("federation.overlap needs the built-in training loop (workload.task); a script workload "
+                         "runs its own steps, which the trainer cannot continue between rounds: set "
+                         "federation.overlap: false")
+    scripted = [s.id for s in sites if s.script is not None]
+    private = [s.id for s in sites if s.privacy.enabled]
+    if scripted:
+        raise ValueError(f"federation.overlap needs the built-in training loop; site(s) {scripted} run their own "
+                         "script (sites[].script): remove it or set federation.overlap: false")
+    if private:
+        raise ValueError(f"federation.overlap with sites[].privacy on site(s) {private}: background steps would spend "
+                         "privacy budget on steps that a skipped round discards; set federation.overlap: false or "
+                         "privacy.enabled: false")
 
 
 class ConfigError(ValueError):

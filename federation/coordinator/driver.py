@@ -370,7 +370,7 @@ class Coordinator:
         """The CONFIG record of a stage's messages."""
         return RoundConfig(round=rnd, federation=self.fed.name, update_kind=self.fed.update_kind,
                            seed=self.round_seed(rnd), codec=self.fed.codec, error_feedback=self.fed.error_feedback,
-                           seal=self.fed.seal, evaluate=evaluate,
+                           seal=self.fed.seal, evaluate=evaluate, overlap=self.fed.overlap,
                            # the site must answer before our deadline, ClientApp start-up (a few seconds) included
                            deadline_s=max(1.0, deadline_s * 0.8 - 2.0))
 

@@ -34,6 +34,8 @@ class RoundConfig(BaseModel):
     seal: bool = Field(False, description="seal the update to the coordinator's key")
     evaluate: bool = Field(False, description="evaluate the received global model before training; the "
                            "figures ride back with the update")
+    overlap: bool = Field(False, description="after answering, keep training and fold the next global model in "
+                          "(site_trainer/overlap.py)")
     deadline_s: float = Field(300.0, gt=0, description="the site must answer within this (ClientApp start-up included)")
     aggregated: list[str] = Field(default_factory=list, max_length=10_000, description=(
         "'site:round' for the site the message goes to (no other site's: who was aggregated when is not "
