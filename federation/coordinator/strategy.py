@@ -151,6 +151,7 @@ class RoundInput:
     spec: dict[str, tuple[str, tuple[int, ...]]]  # name -> (dtype, shape): what an update must look like
     model_message: Callable[[float], Callable[[int], RecordDict]]  # a stage's model message, per node
     log: Callable[[str], None]
+    codec: str | None = None  # the round's update codec (round_target_s chooses it per round); None: federation.codec
 
     @property
     def round(self) -> int:
