@@ -22,6 +22,7 @@ from federation.config.schema import ExperimentConfig
 from federation.coordinator.bulk_server import BulkServer
 from federation.coordinator.driver import Coordinator
 from federation.coordinator.round_plan import choose
+from federation.ops.report_cmd import build_report
 from federation.ops.inprocess import FunctionTrainer, InProcessGrid, InProcessSite, task_identity
 from federation.protocol.link_probe import LinkFigures
 
@@ -102,7 +103,8 @@ def test_each_round_s_codec_and_steps_are_chosen_from_the_measured_links_applied
     assert {first[s]["round"] for s in first} == {0} and {last[s]["round"] for s in last} == {3}
     if shaped:  # s1's link is the shaped one: the slowest, and measured as such
         for figs in (first, last):
-            assert abs(figs["s1"]["up_mbit"] - 20) <= 4 and abs(figs["s1"]["rtt_ms"] - 20) <= 4, figs["s1"]
+            # (tests/test_link_probe.py holds the probe to 20% of nominal; here the machine also runs the round)
+            assert abs(figs["s1"]["up_mbit"] - 20) <= 4 and 19 <= figs["s1"]["rtt_ms"] <= 30, figs["s1"]
     assert sum("link measured on the data path" in x for x in lines) == 4  # s0 and s1, twice
     assert sum("link measured through Flower" in x for x in lines) == 2
 
@@ -130,3 +132,8 @@ def test_each_round_s_codec_and_steps_are_chosen_from_the_measured_links_applied
         assert 1 <= plan["local_steps"] < 400 and plan["slowest"] in ("s1", "s2")
         if plan["codec"] != ladder[0]:  # a lossy round: the updates really were smaller
             assert all(m["upload_bytes"] < 0.5 * 720050 * 4 for m in line["sites"].values()), line["sites"]
+
+    # the run report shows the links and the choices
+    page = build_report(tmp_path / "coord").read_text()
+    assert "Links as measured (link probe)" in page and "Codec and local steps chosen for the round target" in page
+    assert page.count("<td>flower</td>") == 2 and metrics[1]["round_plan"]["codec"] in page
