@@ -155,7 +155,8 @@ class Round:
         self.local_steps = int(self.config.get("local_steps", session.config.site.local_steps))
         self.load_s = load_s
         self.reported = False
-        self.figures: dict[str, float] = {}  # site figures the loop adds to the reply as they are (rank 0's)
+        # site figures the loop adds to the reply as they are (rank 0's); the steps this round was given
+        self.figures: dict[str, float] = {"local_steps": float(self.local_steps)}
         self._started = time.perf_counter()
 
     @property

@@ -69,6 +69,14 @@ def test_nothing_fits_the_most_compressed_codec_and_the_fewest_steps_and_it_says
     assert "over 50% of the 1s target" in c.reason and "by 33.10s" in c.reason
 
 
+def test_the_round_s_fixed_cost_comes_off_the_steps_not_the_link_s_share():
+    # as in the first case, with 3 s of Flower delivery and start-up measured last round
+    c = choose(1, 10.0, {"a": link(1000, rtt_ms=10)}, {"a": 0.1}, LADDER, UP, 40 * MB, fixed_s=3.0)
+    assert c.codec == "float32" and c.fixed_s == 3.0
+    assert c.local_steps == 63  # floor((10 - 3 - 0.66) / 0.1)
+    assert "the round's fixed 3.00s" in c.reason
+
+
 def test_steps_stay_within_their_bounds():
     c = choose(1, 100.0, {"a": link(10_000)}, {"a": 0.001}, LADDER, UP, 40 * MB, max_steps=500)
     assert c.local_steps == 500 and "upper bound" in c.reason
@@ -122,6 +130,11 @@ def test_the_planner_reads_step_times_and_sizes_from_the_history():
     sizes, down = planner.sizes(history, 10_000_000)
     assert sizes["int8"] == 9.5e6 and down == 30e6  # what was really sent
     assert sizes["float32"] == wire_bytes("float32", 10_000_000)  # never sent: estimated
+    history[-1].update(round_s=9.0, timing={"site_work_s": 3.5, "stages": [{"stage": "link probe before round 2",
+                                                                             "seconds": 2.0}]})
+    history[-1]["round_plan"]["transfer_s"] = 1.25
+    assert planner.fixed_s(history) == pytest.approx(9.0 - 2.0 - 3.5 - 1.25)
+    assert planner.fixed_s([]) == 0.0
     lines = []
     planner.progress = lines.append
     c = planner.choose(3, ["a", "b"], {"a": link(1000), "b": link(1000)}, history, 10_000_000, 40_000_000)

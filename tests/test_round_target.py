@@ -127,7 +127,10 @@ def test_each_round_s_codec_and_steps_are_chosen_from_the_measured_links_applied
         assert step_s == pytest.approx(STEP_S)
         up = {c: coord.planner.sizes(metrics[:rnd - 1], 720050)[0][c] for c in ladder}
         down = coord.planner.sizes(metrics[:rnd - 1], 720050)[1] or 720050 * 4
-        again = choose(rnd, 3.0, figs, step_s, ladder, up, down, max_steps=400, fallback_codec=cfg.federation.codec)
+        fixed = coord.planner.fixed_s(metrics[:rnd - 1])
+        assert plan["fixed_s"] == pytest.approx(fixed, abs=1e-4)
+        again = choose(rnd, 3.0, figs, step_s, ladder, up, down, max_steps=400, fallback_codec=cfg.federation.codec,
+                       fixed_s=fixed)
         assert (again.codec, again.local_steps) == (plan["codec"], plan["local_steps"])
         assert 1 <= plan["local_steps"] < 400 and plan["slowest"] in ("s1", "s2")
         if plan["codec"] != ladder[0]:  # a lossy round: the updates really were smaller

@@ -7,9 +7,10 @@ the bytes each candidate codec puts on the wire and the model's bytes down. The 
 1. The codec: the first of the ladder (least lossy first) whose slowest site's transfer (model
    down, update up, two round trips) takes at most `link_share` of the target. If none does, the
    last (the most compressed) and the choice says the target is missed, by how much.
-2. The local steps: as many as the slowest site can compute in what the transfer leaves of the
-   target (each site's transfer plus its steps within the target; the site with the least room
-   decides), within [min_steps, max_steps]. Before any site's step time is known (round 1) the
+2. The local steps: as many as the slowest site can compute in what the transfer and the round's
+   fixed cost (`fixed_s`: Flower's delivery of the messages, ClientApp start-up, aggregation, as
+   measured in the last round) leave of the target (the site with the least room decides), within
+   [min_steps, max_steps]. Before any site's step time is known (round 1) the
    sites keep their own `local_steps`.
 
 Every choice carries its reason in words; the driver logs it and puts it in the metrics line.
@@ -63,6 +64,7 @@ class RoundChoice:
     slowest: str | None  # the site whose transfer is longest under the chosen codec
     transfer_s: float  # that site's predicted transfer (down, up, two round trips)
     compute_s: float | None  # the slowest site's predicted compute at the chosen steps (None: unknown)
+    fixed_s: float  # the round's cost outside the link and the sites' training, as measured last round
     fits: bool  # the slowest transfer fits its share of the target
     reason: str
     transfers: dict[str, float] = field(default_factory=dict)  # codec -> slowest site's transfer, s
@@ -72,24 +74,27 @@ class RoundChoice:
         out = asdict(self)
         out["transfer_s"] = round(self.transfer_s, 4)
         out["compute_s"] = None if self.compute_s is None else round(self.compute_s, 4)
+        out["fixed_s"] = round(self.fixed_s, 4)
         out["transfers"] = {k: round(v, 4) for k, v in self.transfers.items()}
         return out
 
 
 def choose(rnd: int, target_s: float, links: Mapping[str, LinkFigures], step_s: Mapping[str, float],
            ladder: Sequence[str], up_bytes: Mapping[str, float], down_bytes: float, *, link_share: float = 0.5,
-           min_steps: int = 1, max_steps: int = 1000, fallback_codec: str | None = None) -> RoundChoice:
+           min_steps: int = 1, max_steps: int = 1000, fallback_codec: str | None = None,
+           fixed_s: float = 0.0) -> RoundChoice:
     """The codec and local steps of round `rnd` for the sites in `links` (see the module docstring).
 
     `up_bytes[codec]` is what one site's update takes under each codec of `ladder`, `down_bytes`
-    the model's bytes down; `step_s[site]` a site's seconds per local step (absent: unknown).
+    the model's bytes down; `step_s[site]` a site's seconds per local step (absent: unknown);
+    `fixed_s` what a round costs besides (it comes off the steps' time, not the link's share).
     Without link figures the round keeps `fallback_codec` (or the ladder's first) and the sites'
     own steps."""
     if not ladder:
         raise ValueError("the codec ladder is empty")
     if not links:
         codec = fallback_codec or ladder[0]
-        return RoundChoice(rnd, codec, None, None, 0.0, None, False,
+        return RoundChoice(rnd, codec, None, None, 0.0, None, fixed_s, False,
                            f"no link figures for the round's sites: codec {codec}, the sites' own local_steps")
     budget = link_share * target_s
     per_codec = {c: {s: f.transfer_s(up_bytes[c], down_bytes) for s, f in links.items()} for c in ladder}
@@ -111,14 +116,16 @@ def choose(rnd: int, target_s: float, links: Mapping[str, LinkFigures], step_s: 
     known = {s: step_s[s] for s in links if s in step_s and step_s[s] > 0}
     if len(known) < len(links):
         missing = sorted(set(links) - set(known))
-        return RoundChoice(rnd, codec, None, slowest, transfer, None, fits,
+        return RoundChoice(rnd, codec, None, slowest, transfer, None, fixed_s, fits,
                            f"{why}; local steps: the sites' own (no step time yet for {', '.join(missing)})", transfers)
-    room = {s: (target_s - per_codec[codec][s]) / known[s] for s in links}
+    left = {s: target_s - fixed_s - per_codec[codec][s] for s in links}
+    room = {s: left[s] / known[s] for s in links}
     tight = min(room, key=room.get)
     steps = max(min_steps, min(max_steps, math.floor(room[tight]))) if room[tight] >= 1 else min_steps
     compute = max(steps * known[s] for s in links)
     bound = (" (at the upper bound max_local_steps)" if steps == max_steps and room[tight] > max_steps else
              " (at the lower bound min_local_steps)" if steps == min_steps and room[tight] < min_steps + 1 else "")
-    why += (f"; {steps} local steps{bound}: site {tight} has {target_s - per_codec[codec][tight]:.2f}s left of the "
-            f"target after its transfer at {known[tight]:.3f}s per step")
-    return RoundChoice(rnd, codec, steps, slowest, transfer, compute, fits, why, transfers)
+    fixed = f" and the round's fixed {fixed_s:.2f}s" if fixed_s else ""
+    why += (f"; {steps} local steps{bound}: site {tight} has {left[tight]:.2f}s left of the target after its "
+            f"transfer{fixed} at {known[tight]:.3f}s per step")
+    return RoundChoice(rnd, codec, steps, slowest, transfer, compute, fixed_s, fits, why, transfers)

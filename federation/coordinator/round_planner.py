@@ -1,10 +1,12 @@
 """The driver's use of round_plan.choose: the figures it needs, gathered from the run.
 
 Per round: the link figures of the round's sites (link_book.py), each site's seconds per local
-step from its latest line in the metrics history (its trainer's `train_s` over the steps it was
-given, its own `local_steps` when the round chose none), the bytes of an update under each codec
+step from its latest line in the metrics history (its trainer's `train_s` over the steps it
+reports having run, else those it was given, else its own `local_steps`), the bytes of an update under each codec
 (what that codec really sent in an earlier round, else round_plan.wire_bytes) and the model's
-bytes down (what the last round's sites received on the data path, else the dense model).
+bytes down (what the last round's sites received on the data path, else the dense model), and
+what the last round cost besides (its wall time less the slowest site's trainer calls, the
+predicted transfer and any link probe: Flower's delivery, ClientApp start-up, aggregation).
 
 A resumed run re-measures its links at discovery and gets the step times and sizes from the
 restored history, so the rounds it runs are chosen from fresh links; the rounds before keep the
@@ -36,7 +38,7 @@ class RoundPlanner:
             steps = (line.get("round_plan") or {}).get("local_steps")
             for site, m in (line.get("sites") or {}).items():
                 took = m.get("seconds") or m.get("train_call_s")
-                n = steps or self.own_steps.get(site)
+                n = m.get("local_steps") or steps or self.own_steps.get(site)  # what it says it ran, else what it was told
                 if isinstance(took, (int, float)) and took > 0 and n:
                     out[site] = float(took) / n
         return out
@@ -55,6 +57,19 @@ class RoundPlanner:
                 down = max(downs)
         return {c: seen.get(c, float(wire_bytes(c, numel))) for c in self.ladder}, down
 
+    def fixed_s(self, history: list[dict]) -> float:
+        """What the latest round cost besides the link and the training: its wall time less the
+        slowest site's trainer calls, the predicted transfer and any link probe (0 before any round)."""
+        if not history:
+            return 0.0
+        line = history[-1]
+        t = line.get("timing") or {}
+        probes = sum(float(st.get("seconds") or 0) for st in t.get("stages") or []
+                     if str(st.get("stage", "")).startswith(("link probe", "discovery")))
+        transfer = float((line.get("round_plan") or {}).get("transfer_s") or 0.0)
+        total = float(line.get("round_s") or 0.0) - probes - float(t.get("site_work_s") or 0.0) - transfer
+        return max(0.0, total)
+
     def choose(self, rnd: int, sites: list[str], links: Mapping[str, LinkFigures], history: list[dict],
                numel: int, dense_bytes: int) -> RoundChoice:
         """Round `rnd`'s choice for `sites`; logged with its reason."""
@@ -62,7 +77,8 @@ class RoundPlanner:
         choice = choose(rnd, float(self.fed.round_target_s or 0), {s: links[s] for s in sites if s in links},
                         self.step_times(history), self.ladder, up, down if down is not None else float(dense_bytes),
                         link_share=self.fed.link.link_share, min_steps=self.fed.link.min_local_steps,
-                        max_steps=self.fed.link.max_local_steps, fallback_codec=self.fed.codec)
+                        max_steps=self.fed.link.max_local_steps, fallback_codec=self.fed.codec,
+                        fixed_s=self.fixed_s(history))
         self.choices[rnd] = choice
         self.progress(f"round {rnd}: round target {self.fed.round_target_s:g}s: {choice.reason}")
         return choice

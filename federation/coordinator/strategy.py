@@ -198,7 +198,8 @@ def site_metrics(reply: Reply) -> dict:
     out = {"loss": m.get("loss"), "samples": samples, "seconds": m.get("train_s"),
            "relay_s": m.get("relay_s"), "rank_digests": list(st.get("rank_digests", []))}
     for key in ("upload_bytes", "dense_bytes", "encode_s", "state_arrays_in", "train_call_s", "evaluate_call_s",
-                "bulk_up_bytes", "bulk_up_s", "bulk_down_bytes", "bulk_down_s", "bulk_retries", "bulk_fallback"):
+                "bulk_up_bytes", "bulk_up_s", "bulk_down_bytes", "bulk_down_s", "bulk_retries", "bulk_fallback",
+                "local_steps"):
         if key in m:
             out[key] = m[key]
     out.update({k: v for k, v in m.items() if k.startswith("dp_")})  # sites[].privacy: epsilon spent, sigma, ...
