@@ -77,6 +77,15 @@ def test_the_round_s_fixed_cost_comes_off_the_steps_not_the_link_s_share():
     assert "the round's fixed 3.00s" in c.reason
 
 
+def test_a_flower_path_s_round_trip_is_the_round_s_fixed_cost_not_the_link_s():
+    # through Flower the RTT (seconds of message delivery) is in fixed_s; only the bytes' time is the link's
+    flower = LinkFigures("flower", rtt_ms=6900.0, up_mbit=100.0, down_mbit=100.0)
+    c = choose(2, 12.0, {"f": flower}, {"f": 0.1}, LADDER, UP, 40 * MB, fixed_s=7.0)
+    assert c.codec == "int8" and c.transfer_s == pytest.approx(4.0)  # float32's 6.4 s is over 0.5 x 12 s
+    assert c.local_steps == 10  # floor((12 - 7 - 4) / 0.1)
+    assert flower.transfer_s(UP["int8"], 40 * MB, round_trips=1) == pytest.approx(4.0 + 6.9)
+
+
 def test_steps_stay_within_their_bounds():
     c = choose(1, 100.0, {"a": link(10_000)}, {"a": 0.001}, LADDER, UP, 40 * MB, max_steps=500)
     assert c.local_steps == 500 and "upper bound" in c.reason

@@ -5,7 +5,8 @@ measured link (protocol/link_probe.LinkFigures), its seconds per local step (fro
 the bytes each candidate codec puts on the wire and the model's bytes down. The rule:
 
 1. The codec: the first of the ladder (least lossy first) whose slowest site's transfer (model
-   down, update up, two round trips) takes at most `link_share` of the target. If none does, the
+   down, update up, and on the data path two round trips; LinkFigures.transfer_s) takes at most
+   `link_share` of the target. If none does, the
    last (the most compressed) and the choice says the target is missed, by how much.
 2. The local steps: as many as the slowest site can compute in what the transfer and the round's
    fixed cost (`fixed_s`: Flower's delivery of the messages, ClientApp start-up, aggregation, as
