@@ -41,6 +41,9 @@ def probe_handlers(site_of: Callable[[grpc.ServicerContext], str],
         total = 0
         for msg in requests:
             total += len(msg)
+            if total > lp.MAX_PROBE_BYTES:  # a probe is bounded; a stream that goes on is not one
+                abort(context, BulkRefused("bad_request", f"probe upload beyond {lp.MAX_PROBE_BYTES} bytes"))
+                return b""
         return rpc.encode({"bytes": total})
 
     def source(request: bytes, context):
