@@ -148,3 +148,28 @@ def test_the_planner_reads_step_times_and_sizes_from_the_history():
     planner.progress = lines.append
     c = planner.choose(3, ["a", "b"], {"a": link(1000), "b": link(1000)}, history, 10_000_000, 40_000_000)
     assert planner.choices[3] is c and lines and "round 3: round target 10s" in lines[0]
+
+
+def _config(federation: dict, **site):
+    return ExperimentConfig.model_validate({"federation": federation, "sites": [{"id": "a", "partition": 0, **site}]})
+
+
+def test_the_config_knobs_and_their_refusals():
+    off = _config({}).federation
+    assert off.round_target_s is None and not off.probing  # off by default: nothing measured, nothing chosen
+    on = _config({"round_target_s": 30}).federation
+    assert on.probing and on.codec_ladder == ["float32", "int8", "topk:0.1+int8", "topk:0.01+int8"]
+    assert _config({"link": {"probe": True}}).federation.probing
+    assert not _config({"round_target_s": 30, "link": {"probe": False}}).federation.probing
+    sec = _config({"round_target_s": 30, "secagg": {"enabled": True, "clip": 0.25}}).federation
+    assert sec.codec_ladder == ["identity", "int8:clip=0.25", "randk:0.1+int8:clip=0.25", "randk:0.01+int8:clip=0.25"]
+    refused = [
+        ({"round_target_s": 30, "secagg": {"enabled": True}, "link": {"codecs": ["topk:0.1+int8"]}}, {}, "secure aggregation"),
+        ({"link": {"codecs": ["nonsense"]}}, {}, "unknown codec stage"),
+        ({"link": {"min_local_steps": 10, "max_local_steps": 5}}, {}, "exceeds max_local_steps"),
+        ({"round_target_s": 0}, {}, "greater than 0"),
+        ({"round_target_s": 30}, {"privacy": {"enabled": True, "epsilon": 8}}, "privacy budget"),
+    ]
+    for federation, site, why in refused:
+        with pytest.raises(ValueError, match=why):
+            _config(federation, **site)

@@ -48,8 +48,8 @@ class DataPath(StrictModel):
 class LinkPlan(StrictModel):
     """The link probe and the per-round choice of codec and local steps (`round_target_s`)."""
 
-    probe: Literal["auto", "on", "off"] = Field("auto", description="measure each site's link (RTT, throughput "
-                                                "up and down) at discovery; auto: when round_target_s is set")
+    probe: bool | Literal["auto"] = Field("auto", description="measure each site's link (RTT, throughput up and "
+                                          "down) at discovery; auto: when round_target_s is set")
     probe_seconds: float = Field(0.5, gt=0, le=30, description="each direction is measured at least this long")
     probe_max_bytes: int = Field(32 << 20, ge=1 << 16, le=1 << 30, description="bytes each direction moves at "
                                  "most per measurement (the rate is then a lower bound, `capped` in the figures)")
@@ -134,7 +134,7 @@ class FederationConfig(StrictModel):
     @property
     def probing(self) -> bool:
         """Whether sites' links are measured (link.probe, auto: with round_target_s)."""
-        return self.link.probe == "on" or (self.link.probe == "auto" and self.round_target_s is not None)
+        return self.link.probe is True or (self.link.probe == "auto" and self.round_target_s is not None)
 
     @property
     def codec_ladder(self) -> list[str]:
