@@ -140,3 +140,53 @@ def test_each_round_s_codec_and_steps_are_chosen_from_the_measured_links_applied
     page = build_report(tmp_path / "coord").read_text()
     assert "Links as measured (link probe)" in page and "Codec and local steps chosen for the round target" in page
     assert page.count("<td>flower</td>") == 2 and metrics[1]["round_plan"]["codec"] in page
+
+
+class _Died(BaseException):
+    """Stands for the coordinator process dying (nothing in the driver catches it)."""
+
+
+class _DiesAtTrain(InProcessGrid):
+    def __init__(self, sites, run_id, at):
+        super().__init__(sites, run_id)
+        self.at, self.trains = at, 0
+
+    def push_messages(self, messages):
+        messages = list(messages)
+        ids = super().push_messages(messages)
+        if messages and messages[0].metadata.message_type == "train":
+            self.trains += 1
+            if self.trains == self.at:
+                raise _Died
+        return ids
+
+
+def test_a_resumed_run_measures_again_and_chooses_from_the_restored_history(tmp_path, pki):
+    cfg = ExperimentConfig.model_validate({
+        "federation": {"name": "target-resume", "rounds": 3, "quorum": 2, "evaluate": False, "seed": 5,
+                       "round_target_s": 3.0, "data_path": {"enabled": False},
+                       "link": {"probe_flower_bytes": 1 << 16, "max_local_steps": 400}},
+        "sites": [{"id": f"s{i}", "partition": i} for i in range(3)],
+    })
+    told: dict[str, list] = {"s0": [], "s1": [], "s2": []}
+    sites = _sites(tmp_path, pki, {}, told)  # no data path: every link timed through Flower
+    lines: list[str] = []
+    bundle = CoordinatorBundle.load(pki / "coordinator")
+    first = Coordinator(_DiesAtTrain(sites, 1, at=2), cfg, tmp_path / "coord", 1, _initial(), lines.append, bundle)
+    with task_identity(1), pytest.raises(_Died):
+        first.run()
+    before = [json.loads(x) for x in first.metrics_path.read_text().splitlines()]
+    assert [m["round"] for m in before] == [1] and before[0]["status"] == "aggregated"
+    assert before[0]["round_plan"]["local_steps"] is None
+    lines.clear()
+    coord = Coordinator(InProcessGrid(sites, 2), cfg, tmp_path / "coord", 2, _initial(), lines.append, bundle)
+    with task_identity(2):
+        result = coord.run(resume=True)
+    metrics = [json.loads(x) for x in coord.metrics_path.read_text().splitlines()]
+    assert result["aggregated_rounds"] == 3 and [m["round"] for m in metrics] == [1, 2, 3], (result, "\n".join(lines))
+    assert metrics[0]["round_plan"] == before[0]["round_plan"]  # a round done keeps the choice its line records
+    assert sum("link measured through Flower" in x for x in lines) == 3, lines  # measured again at the resumed discovery
+    # the rerun round 2 is chosen from the restored history: round 1's step times are known
+    assert metrics[1]["round_plan"]["local_steps"] is not None and "no step time" not in metrics[1]["round_plan"]["reason"]
+    for site in told:
+        assert (2, metrics[1]["round_plan"]["codec"], metrics[1]["round_plan"]["local_steps"]) in told[site]
