@@ -70,7 +70,7 @@ def test_each_round_s_codec_and_steps_are_chosen_from_the_measured_links_applied
     cfg = ExperimentConfig.model_validate({
         "federation": {"name": "target", "rounds": 3, "quorum": 2, "evaluate": False, "seed": 5, **protection,
                        "round_target_s": 3.0,
-                       "link": {"probe_seconds": 0.2, "probe_max_bytes": 8 << 20, "probe_flower_bytes": 1 << 20,
+                       "link": {"probe_seconds": 0.5, "probe_max_bytes": 8 << 20, "probe_flower_bytes": 1 << 20,
                                 "probe_every": 2, "max_local_steps": 400}},
         "sites": [{"id": f"s{i}", "partition": i} for i in range(3)],
     })
