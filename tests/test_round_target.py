@@ -29,6 +29,8 @@ from federation.protocol.link_probe import LinkFigures
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.shaped_link import ShapedLink, available  # noqa: E402
 
+pytestmark = pytest.mark.slow(seconds=45)  # three in-process federations, one through a shaped link
+
 SHAPES = {"w": (700, 600), "v": (300, 1000), "b": (50,)}  # 2.9 MB of float32
 STEP_S = {"s0": 0.01, "s1": 0.005, "s2": 0.02}  # each site's declared seconds per local step
 
