@@ -159,7 +159,8 @@ class Round:
         # the loop trains local_steps - background_steps more
         self.background_steps = 0
         self.reported = False
-        self.figures: dict[str, float] = {}  # site figures the loop adds to the reply as they are (rank 0's)
+        # site figures the loop adds to the reply as they are (rank 0's); the steps this round was given
+        self.figures: dict[str, float] = {"local_steps": float(self.local_steps)}
         self._started = time.perf_counter()
 
     @property

@@ -45,6 +45,44 @@ class DataPath(StrictModel):
     streams: int = Field(4, ge=1, le=32, description="parallel streams (each its own TCP connection) per transfer")
 
 
+class LinkPlan(StrictModel):
+    """The link probe and the per-round choice of codec and local steps (`round_target_s`)."""
+
+    probe: bool | Literal["auto"] = Field("auto", description="measure each site's link (RTT, throughput up and "
+                                          "down) at discovery; auto: when round_target_s is set")
+    probe_seconds: float = Field(0.5, gt=0, le=30, description="each direction is measured at least this long")
+    probe_max_bytes: int = Field(32 << 20, ge=1 << 16, le=1 << 30, description="bytes each direction moves at "
+                                 "most per measurement (the rate is then a lower bound, `capped` in the figures)")
+    probe_streams: int = Field(1, ge=0, le=32, description="streams the throughput is measured on (0: as many as "
+                               "a transfer, data_path.streams); one by default: see federation/site/link_probe.py")
+    probe_flower_bytes: int = Field(4 << 20, ge=1 << 16, le=1 << 30, description="bytes a probe of a site "
+                                    "without the data path sends each way through Flower")
+    probe_every: int = Field(0, ge=0, description="measure again before every N-th round (0: at discovery only)")
+    codecs: list[str] | None = Field(None, min_length=1, description="the ladder round_target_s chooses from, least "
+                                     "lossy first (default: float32, int8, topk:0.1+int8, topk:0.01+int8; under "
+                                     "secagg: identity, int8:clip=C, randk:0.1+int8:clip=C, randk:0.01+int8:clip=C)")
+    link_share: float = Field(0.5, gt=0, le=1, description="the share of round_target_s the slowest site's "
+                              "transfer may take; the local steps fill the rest")
+    min_local_steps: int = Field(1, ge=1, description="the fewest local steps a round is given")
+    max_local_steps: int = Field(1000, ge=1, description="the most local steps a round is given")
+
+    @field_validator("codecs")
+    @classmethod
+    def _codecs_parse(cls, specs: list[str] | None) -> list[str] | None:
+        for spec in specs or []:
+            try:
+                parse_codec_config(spec)
+            except CodecError as err:
+                raise ValueError(str(err)) from None
+        return specs
+
+    @model_validator(mode="after")
+    def _steps_ordered(self) -> "LinkPlan":
+        if self.min_local_steps > self.max_local_steps:
+            raise ValueError(f"min_local_steps ({self.min_local_steps}) exceeds max_local_steps ({self.max_local_steps})")
+        return self
+
+
 class FederationConfig(StrictModel):
     """What the coordinator runs."""
 
@@ -81,6 +119,10 @@ class FederationConfig(StrictModel):
     site_restarts: SiteRestarts = Field(default_factory=SiteRestarts, description="restart budget of each site's "
                                         "trainer pool and SuperNode (federation/config/restart_config.py)")
     data_path: DataPath = Field(default_factory=DataPath, description="the bulk data path beside Flower")
+    round_target_s: float | None = Field(None, gt=0, description="choose each round's codec (from link.codecs) and "
+                                         "local steps so that the slowest site's transfer and compute fit this many "
+                                         "seconds, from the measured links (off when unset)")
+    link: LinkPlan = Field(default_factory=LinkPlan, description="the link probe and round_target_s's choices")
 
     @field_validator("downlink_codec")
     @classmethod
@@ -90,6 +132,34 @@ class FederationConfig(StrictModel):
         except CodecError as err:
             raise ValueError(str(err)) from None
         return spec
+
+    @property
+    def probing(self) -> bool:
+        """Whether sites' links are measured (link.probe, auto: with round_target_s)."""
+        return self.link.probe is True or (self.link.probe == "auto" and self.round_target_s is not None)
+
+    @property
+    def codec_ladder(self) -> list[str]:
+        """The codecs round_target_s chooses from, least lossy first."""
+        if self.link.codecs:
+            return list(self.link.codecs)
+        if self.secagg.enabled:
+            c = repr(self.secagg.clip)  # exactly SecAgg's clip: the codec's grid is then its ring's (secagg_levels)
+            return ["identity", f"int8:clip={c}", f"randk:0.1+int8:clip={c}", f"randk:0.01+int8:clip={c}"]
+        # float32 rather than identity: a dense round through the codec sends what lossy rounds left
+        # in the error-feedback residual (identity skips the codec and would leave it behind)
+        return ["float32", "int8", "topk:0.1+int8", "topk:0.01+int8"]
+
+    @model_validator(mode="after")
+    def _ladder_fits_protection(self) -> "FederationConfig":
+        if self.round_target_s is None:
+            return self
+        for spec in self.codec_ladder:
+            try:
+                validate_for_protection(spec, self.protection)  # type: ignore[arg-type]
+            except CodecError as err:
+                raise ValueError(f"link.codecs: {err}") from None
+        return self
 
     @property
     def protection(self) -> str:
@@ -182,6 +252,10 @@ class ExperimentConfig(StrictModel):
             check_privacy_workload(self.workload, site)
         if self.federation.overlap:
             _check_overlap(self.workload, self.sites)
+        private = [s.id for s in self.sites if s.privacy.enabled]
+        if self.federation.round_target_s is not None and private:
+            raise ValueError(f"federation.round_target_s chooses each round's local steps, but sites {private} plan "
+                             "their privacy budget over rounds x local_steps: unset round_target_s or privacy")
         if self.workload.task is not None and any(s.workload_options for s in self.sites):
             from site_trainer.workload_loader import check_sites  # imports the task: only when needed
 

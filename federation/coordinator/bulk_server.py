@@ -30,6 +30,7 @@ import grpc
 from cryptography import x509
 
 from crypto.pki import CoordinatorBundle, TrustStore
+from federation.coordinator.link_probe_server import probe_handlers
 from federation.protocol import bulk_rpc as rpc
 from federation.protocol.bulk import Blob, BulkRefused
 
@@ -76,6 +77,7 @@ class BulkServer:
             "Begin": grpc.unary_unary_rpc_method_handler(self._begin, rpc.identity, rpc.identity),
             "Put": grpc.stream_unary_rpc_method_handler(self._put, rpc.identity, rpc.identity),
             "Get": grpc.unary_stream_rpc_method_handler(self._get, rpc.identity, rpc.identity),
+            **probe_handlers(self._site, self._abort),  # the link probe (link_probe_server.py)
         }
         self._server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(rpc.SERVICE, methods)])
         creds = grpc.ssl_server_credentials([(bundle.tls_key.read_bytes(), bundle.tls_cert.read_bytes())],

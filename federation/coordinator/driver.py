@@ -46,11 +46,13 @@ from federation.coordinator.aggregate import ServerOptimizer
 from federation.coordinator.checkpoint import CheckpointStore
 from federation.coordinator.downlink_sender import DownlinkSender
 from federation.coordinator.evaluation import EvalRider, Evaluation
+from federation.coordinator.link_book import LinkBook
 from federation.coordinator.manifest_check import BaseCheck
 from federation.coordinator.plain_round import PlainRound
 from federation.coordinator.polling import PollSchedule
 from federation.coordinator.resume import checkpoint_round, resume_run
 from federation.coordinator.retry_grid import RetryingGrid
+from federation.coordinator.round_planner import RoundPlanner
 from federation.coordinator import stage_hook
 from federation.coordinator.strategy import (
     Exchange,
@@ -154,6 +156,9 @@ class Coordinator:
         self.messages: Counter[int] = Counter()  # messages sent per node over the run (round trips)
         self.checkpoints = CheckpointStore(self.workdir / "checkpoints", self.fed.checkpoint_keep, self.progress)
         self.history: list[dict] = []  # the metrics lines of the rounds done (restored by a resume)
+        # the link probe and the per-round choice of codec and local steps (link_book.py, round_planner.py)
+        self.links = LinkBook(self.fed.link, self.progress) if self.fed.probing else None
+        self.planner = RoundPlanner(cfg, self.progress) if self.fed.round_target_s is not None else None
         self.start_round = 1
 
     def progress(self, line: str) -> None:
@@ -368,11 +373,18 @@ class Coordinator:
 
     def round_config(self, rnd: int, deadline_s: float, evaluate: bool = False) -> RoundConfig:
         """The CONFIG record of a stage's messages."""
+        choice = self.planner.choices.get(rnd) if self.planner is not None else None
         return RoundConfig(round=rnd, federation=self.fed.name, update_kind=self.fed.update_kind,
-                           seed=self.round_seed(rnd), codec=self.fed.codec, error_feedback=self.fed.error_feedback,
+                           seed=self.round_seed(rnd), codec=self.round_codec(rnd), error_feedback=self.fed.error_feedback,
                            seal=self.fed.seal, evaluate=evaluate, overlap=self.fed.overlap,
+                           local_steps=choice.local_steps if choice else None,
                            # the site must answer before our deadline, ClientApp start-up (a few seconds) included
                            deadline_s=max(1.0, deadline_s * 0.8 - 2.0))
+
+    def round_codec(self, rnd: int) -> str:
+        """The update codec of round `rnd`: round_target_s's choice, else `federation.codec`."""
+        choice = self.planner.choices.get(rnd) if self.planner is not None else None
+        return choice.codec if choice is not None else self.fed.codec
 
     def aggregated_rounds(self, rnd: int) -> dict[str, int]:
         """site -> the newest round before `rnd` whose update from it is in the global model (0:
@@ -495,6 +507,7 @@ class Coordinator:
             self.secagg.plan(1, self.run_id, first, self.secagg.registered_channel_keys())
             riders.append(self.secagg.setup_rider(1, self.known_name, lambda: nodes))
         self.enrol(self.discovery(nodes, riders, self.fed.deadlines.connect_s, "discovery"))
+        self.probe_flower(sorted(self.sites), 0)
         if len(self.sites) < self.fed.quorum:
             raise FederationFailed(
                 f"only {len(self.sites)} site(s) ready ({sorted(s.name for s in self.sites.values())}) "
@@ -505,17 +518,21 @@ class Coordinator:
     def discovery(self, nodes: list[int], riders: list[Rider], deadline_s: float, stage: str) -> ExchangeResult:
         """Ask `nodes` who they are (site name, examples, base manifest, channel key), `riders` aboard."""
         discover = ConfigRecord({"secagg": self.secagg is not None})
+        probe = {keys.PROBE: self.links.request(0)} if self.links is not None else {}  # sites on the data path measure
         self.riders = riders
         try:
             return self.exchange(Exchange(stage, "query", nodes, lambda n: RecordDict(
-                {keys.CONFIG: ConfigRecord({}), keys.DISCOVER: discover}), deadline_s))
+                {keys.CONFIG: ConfigRecord({}), keys.DISCOVER: discover, **probe}), deadline_s))
         finally:
             self.riders = []
 
     def enrol(self, res: ExchangeResult, online: set[int] | None = None) -> None:
         """Take the sites that answered a discovery (`claim`), `online` the nodes the SuperLink lists now."""
         for reply in res.replies:
-            self.claim(reply.message.metadata.src_node_id, reply.status, online)
+            node = reply.message.metadata.src_node_id
+            self.claim(node, reply.status, online)
+            if self.links is not None and self.known_name(node) is not None:
+                self.links.heard(self.site_name(node), reply.status)
         for name, reason in res.failed.items():
             self.progress(f"site discovery: {name} failed: {reason}")
 
@@ -552,6 +569,35 @@ class Coordinator:
         pk = status.get("secagg_channel_pk")
         if isinstance(pk, bytes) and len(pk) == 32:
             self.channel_keys[site] = pk
+
+    def probe_flower(self, nodes: list[int], rnd: int) -> list[dict]:
+        """Measure, through Flower, the links of `nodes` that are not on the data path (link_book.py);
+        the probe's stage timings."""
+        if self.links is None:
+            return []
+        paths = self.bulk.paths if self.bulk is not None else {}
+        todo = {n: self.site_name(n) for n in nodes if paths.get(self.site_name(n)) != "direct"}
+        results = self.links.probe_flower(self.exchange, todo, rnd, min(self.fed.deadlines.connect_s,
+                                                                         self.fed.deadlines.round_s))
+        return [stage_timing(f"link probe through Flower before round {rnd}", r) for r in results]
+
+    def probe_links(self, rnd: int, nodes: list[int]) -> list[dict]:
+        """Before round `rnd` (`link.probe_every`): the sites of `nodes` measure their links again
+        (those on the data path themselves, the others through Flower); the stage timings."""
+        assert self.links is not None
+        paths = self.bulk.paths if self.bulk is not None else {}
+        direct = [n for n in nodes if paths.get(self.site_name(n)) == "direct"]
+        stages = []
+        if direct:
+            rec = self.links.request(rnd)
+            res = self.exchange(Exchange(f"link probe before round {rnd}", "query", direct, lambda n: RecordDict(
+                {keys.CONFIG: ConfigRecord({}), keys.PROBE: rec}), self.fed.deadlines.round_s))
+            for reply in res.replies:
+                self.links.heard(reply.name, reply.status)
+            for name, reason in res.failed.items():
+                self.progress(f"round {rnd}: link probe of site {name} failed: {reason}")
+            stages.append(stage_timing(f"link probe before round {rnd}", res))
+        return stages + self.probe_flower([n for n in nodes if n not in direct], rnd)
 
     def discover_late(self, rnd: int) -> ExchangeResult | None:
         """Before round `rnd`: nodes that connected since discovery (a site started late, or a
@@ -592,7 +638,8 @@ class Coordinator:
     def round_input(self, rnd: int, nodes: list[int]) -> RoundInput:
         """What the round strategy is given for round `rnd`."""
         return RoundInput(self.round_context(rnd), nodes, self.sites, self.model, self.spec,
-                          partial(self.model_message, rnd, evaluate=self.fed.evaluate), self.progress)
+                          partial(self.model_message, rnd, evaluate=self.fed.evaluate), self.progress,
+                          codec=self.round_codec(rnd))
 
     def train_round(self, rnd: int) -> dict:
         """Sample, admit, run the round strategy (with what rides on it), apply the mean update and
@@ -616,6 +663,12 @@ class Coordinator:
         if self.admission is not None:
             admission = self.admit(rnd, nodes)
             nodes = admission.admitted
+        if self.links is not None and self.links.due(rnd):
+            timing["stages"] += self.probe_links(rnd, nodes)
+        if self.planner is not None:
+            self.planner.choose(rnd, [self.site_name(n) for n in nodes], self.links.figures if self.links else {},
+                                self.history, sum(int(v.size) for v in self.model.values()),
+                                sum(v.nbytes for v in self.model.values()))
         evals = EvalRider() if self.fed.evaluate else None
         self.riders = self.riders_for(rnd, evals)
         try:
@@ -648,6 +701,10 @@ class Coordinator:
                 **out.extra}
         if self.bulk is not None:  # which path each site's model and update took (bulk_path.py)
             line["data_path"] = dict(self.bulk.paths)
+        if self.links is not None:  # each site's link as last measured (link_book.py)
+            line["links"] = self.links.metrics()
+        if self.planner is not None and rnd in self.planner.choices:  # round_target_s's choice and why
+            line["round_plan"] = self.planner.choices[rnd].metrics()
         if isinstance(self.grid, RetryingGrid) and self.grid.retries:
             line["superlink_retries"] = dict(self.grid.retries)
         dense = sum(v.nbytes for v in self.model.values())

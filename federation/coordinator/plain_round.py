@@ -44,8 +44,9 @@ class PlainRound:
     def begin(self, inp: RoundInput) -> PlainState:
         """A fresh state, with the coordinator's side of the pipeline (its stages keep timings)."""
         stages: list = []
-        if self.fed.codec != "identity":
-            stages.append(CodecStage.from_spec(self.fed.codec, self.fed.error_feedback, layout=UpdateSpec.of(inp.model)))
+        codec = inp.codec or self.fed.codec  # the round's (round_target_s may choose it per round)
+        if codec != "identity":
+            stages.append(CodecStage.from_spec(codec, self.fed.error_feedback, layout=UpdateSpec.of(inp.model)))
         if self.bundle is not None:
             stages.append(CoordinatorProtection(self.bundle, require_sealed=self.fed.seal, replay=self.replay))
         return PlainState(inp, Pipeline(tuple(stages)))

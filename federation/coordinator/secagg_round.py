@@ -267,7 +267,7 @@ class SecAggRound:
     def layout(self, inp: RoundInput) -> tuple[int, Callable[[np.ndarray], Arrays]]:
         """(value-vector length m, function mean values -> dense update) for this round's codec."""
         spec = UpdateSpec.of(inp.model)
-        codec = parse_codec(self.fed.codec, error_feedback=self.fed.error_feedback)
+        codec = parse_codec(inp.codec or self.fed.codec, error_feedback=self.fed.error_feedback)
         if codec.sparsifier is None:
             return spec.numel, spec.unflatten
         k = codec.sparsifier.k(spec.numel)
@@ -328,7 +328,8 @@ class SecAggRound:
         taken = self._open_setups(st)
         sites = inp.sites
         weights = round_weights({n: sites[n].num_examples if n in sites else 1 for n in taken}, self.cfg.max_weight)
-        live_ids = st.server.close_setup([st.ids[n] for n in taken], max(weights.values(), default=1), self.levels)
+        levels = self.levels if inp.codec in (None, self.fed.codec) else secagg_levels(inp.codec, self.fed.secagg.clip)
+        live_ids = st.server.close_setup([st.ids[n] for n in taken], max(weights.values(), default=1), levels)
         by_id = {st.ids[n]: n for n in taken}
         st.live = [by_id[i] for i in live_ids]
         st.weights = {n: weights[n] for n in st.live}

@@ -151,6 +151,7 @@ class RoundInput:
     spec: dict[str, tuple[str, tuple[int, ...]]]  # name -> (dtype, shape): what an update must look like
     model_message: Callable[[float], Callable[[int], RecordDict]]  # a stage's model message, per node
     log: Callable[[str], None]
+    codec: str | None = None  # the round's update codec (round_target_s chooses it per round); None: federation.codec
 
     @property
     def round(self) -> int:
@@ -199,7 +200,8 @@ def site_metrics(reply: Reply) -> dict:
     for key in ("upload_bytes", "dense_bytes", "encode_s", "state_arrays_in", "train_call_s", "evaluate_call_s",
                 "bulk_up_bytes", "bulk_up_s", "bulk_down_bytes", "bulk_down_s", "bulk_retries", "bulk_fallback",
                 # the trainer's ranks since its previous reply (site_trainer/overlap.py): idle share, background steps
-                "idle_s", "idle_fraction", "background_steps", "background_s", "overlap_discarded_steps"):
+                "idle_s", "idle_fraction", "background_steps", "background_s", "overlap_discarded_steps",
+                "local_steps"):
         if key in m:
             out[key] = m[key]
     out.update({k: v for k, v in m.items() if k.startswith("dp_")})  # sites[].privacy: epsilon spent, sigma, ...

@@ -14,6 +14,10 @@ the coordinator writes into every metrics line:
   waits         the rest: messages in flight through Flower (SuperNode polling, one ClientApp
                 process per message), site start-up, deadlines
 
+Runs that measure their links (`federation.link.probe`) get a table of each site's figures
+(RTT, throughput up and down, the path measured), and runs with `federation.round_target_s` a
+table of every round's codec and local steps with the reason.
+
 `sovfl simulate` writes the report at the end of a run and prints its path. A figure without any
 data is left out with a line saying why, never drawn empty; each figure carries the number of
 points it shows (`data-points`).
@@ -218,6 +222,47 @@ def _table(lines: Iterable[dict]) -> str:
     return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
 
 
+def links_table(lines: list[dict]) -> str | None:
+    """Each site's link figures as measured (`links` in the metrics lines, one row per measurement),
+    None when the run measured none (federation.link.probe)."""
+    seen: dict[tuple, dict] = {}
+    for line in lines:
+        for site, f in sorted((line.get("links") or {}).items()):
+            if isinstance(f, dict):
+                seen.setdefault((site, f.get("round"), f.get("path"), f.get("error")), f)
+    if not seen:
+        return None
+    rows = []
+    for (site, rnd, path, error), f in seen.items():
+        cells = ([site, "", "", "", "", "", str(error)] if error else
+                 [site, str(rnd), str(path), f"{f.get('rtt_ms', 0):.1f}", f"{f.get('up_mbit', 0):.1f}",
+                  f"{f.get('down_mbit', 0):.1f}", "lower bound (byte cap)" if f.get("capped") else ""])
+        rows.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
+    head = "".join(f"<th>{h}</th>" for h in ("site", "before round", "path", "RTT ms", "up Mbit/s", "down Mbit/s",
+                                              "note"))
+    return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
+
+
+def plan_table(lines: list[dict]) -> str | None:
+    """round_target_s's choice of every round (`round_plan`), None in runs without it."""
+    rows = []
+    for line in lines:
+        p = line.get("round_plan")
+        if not isinstance(p, dict):
+            continue
+        compute = p.get("compute_s")
+        cells = [str(line["round"]), str(p.get("codec")), str(p.get("local_steps") or "sites' own"),
+                 str(p.get("slowest") or ""), f"{p.get('transfer_s') or 0:.2f}",
+                 "" if compute is None else f"{compute:.2f}", f"{line.get('round_s', 0.0):.2f}",
+                 "yes" if p.get("fits") else "no", str(p.get("reason", ""))]
+        rows.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
+    if not rows:
+        return None
+    head = "".join(f"<th>{h}</th>" for h in ("round", "codec", "local steps", "slowest site", "transfer s (predicted)",
+                                              "compute s (predicted)", "round s", "fits", "why"))
+    return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
+
+
 def build_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write the run's HTML report (default RUN_DIR/report.html); its path."""
     run_dir = Path(run_dir)
@@ -231,6 +276,11 @@ def build_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
             parts.append(f'<figure data-points="{n}"><h2>{html.escape(title)}</h2>'
                          f'<img alt="{html.escape(title)}" src="data:image/png;base64,{png}"></figure>')
     parts.append("<h2>Round times (seconds)</h2>" + _table(lines))
+    links, plan = links_table(lines), plan_table(lines)
+    if links is not None:
+        parts.append("<h2>Links as measured (link probe)</h2>" + links)
+    if plan is not None:
+        parts.append("<h2>Codec and local steps chosen for the round target</h2>" + plan)
     style = "body{font-family:sans-serif;max-width:60em;margin:auto}td,th{padding:2px 8px;text-align:right}"
     page = f"<!doctype html><html><head><meta charset='utf-8'><title>sovfl report</title><style>{style}</style>" \
            f"</head><body>{''.join(parts)}</body></html>"

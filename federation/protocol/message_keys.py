@@ -8,8 +8,9 @@ A train or evaluate message (coordinator -> site) carries CONFIG and GLOBAL, plu
 downlink codec is on, SECAGG in a secure-aggregation round's train message (stage 3). Any message
 may carry ATTEST (attested admission, both ways) and SECAGG_SETUP (the plan of a coming SecAgg
 round), whose answers ride back in the reply under the same keys; the discovery query carries
-DISCOVER. Every reply (site -> coordinator) carries STATUS; a train reply adds METRICS and either
-UPDATE + UPDATE_META (plain rounds) or SECAGG_CHUNKS + SECAGG (masked input).
+DISCOVER, and PROBE when the link is to be measured (discovery or a probe query). Every reply
+(site -> coordinator) carries STATUS; a train reply adds METRICS and either UPDATE + UPDATE_META
+(plain rounds) or SECAGG_CHUNKS + SECAGG (masked input).
 """
 
 # coordinator -> site
@@ -21,6 +22,8 @@ SECAGG_SETUP = "secagg_setup"  # ConfigRecord: a coming round's plan, and the si
 ATTEST = "attest"  # ConfigRecord: attested admission, both ways (coordinator/admission.py)
 DISCOVER = "discover"  # ConfigRecord: site discovery (who are you, how much data)
 BULK = "bulk"  # ConfigRecord: to a site on the data path: which Arrays leave the reply, on how many streams
+PROBE = "probe"  # ConfigRecord: measure the link and report it in STATUS (protocol/link_probe.py)
+PROBE_PAYLOAD = "probe_payload"  # ArrayRecord: bytes a Flower-path probe carries, either way
 
 # site -> coordinator
 STATUS = "status"  # ConfigRecord: site, ok, error, and what the message type adds (num_examples, ...)

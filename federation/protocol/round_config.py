@@ -37,6 +37,8 @@ class RoundConfig(BaseModel):
     overlap: bool = Field(False, description="after answering, keep training and fold the next global model in "
                           "(site_trainer/overlap.py)")
     deadline_s: float = Field(300.0, gt=0, description="the site must answer within this (ClientApp start-up included)")
+    local_steps: int | None = Field(None, ge=1, le=1_000_000, description="local steps of this round, chosen by the "
+                                    "coordinator (federation.round_target_s); None: the site's own local_steps")
     aggregated: list[str] = Field(default_factory=list, max_length=10_000, description=(
         "'site:round' for the site the message goes to (no other site's: who was aggregated when is not "
         "the other sites' business): the newest earlier round whose update from that site is in the global "
@@ -56,8 +58,8 @@ class RoundConfig(BaseModel):
         return 0
 
     def to_record(self) -> ConfigRecord:
-        """The CONFIG record of a message."""
-        return ConfigRecord(self.model_dump())
+        """The CONFIG record of a message (unset optional fields are left out: a record holds no None)."""
+        return ConfigRecord(self.model_dump(exclude_none=True))
 
     @classmethod
     def from_record(cls, rec: Mapping | None) -> "RoundConfig":

@@ -58,6 +58,10 @@ class BulkClient:
         make = getattr(self._channel(i), kind)
         return make(f"/{rpc.SERVICE}/{method}", request_serializer=rpc.identity, response_deserializer=rpc.identity)
 
+    def stub(self, i: int, kind: str, method: str):
+        """A callable for `method` of the data path on stream `i`'s channel (the link probe's RPCs)."""
+        return self._stub(i, kind, method)
+
     def ping(self, timeout_s: float = 10.0) -> dict:
         """Who the coordinator's data path says we are (raises grpc.RpcError)."""
         return rpc.decode(self._stub(0, "unary_unary", "Ping")(b"{}", timeout=timeout_s, wait_for_ready=False))

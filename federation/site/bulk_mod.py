@@ -24,6 +24,7 @@ from flwr.app import Context, Message
 from federation.protocol import message_keys as keys
 from federation.protocol.bulk import INLINE_MAX, BulkRefused, has_big, offload, refs, resolve
 from federation.protocol.round_config import RoundConfigError
+from federation.site import link_probe
 from federation.site.bulk_client import STREAMS, BulkClient, BulkUnavailable
 from federation.site.replies import fail
 from federation.site.site_env import SiteEnv, site_env
@@ -87,6 +88,11 @@ def _int(rec, key: str, default: int) -> int:
         return default
 
 
+def _round(msg: Message) -> int:
+    """The round a probe belongs to (the PROBE record says; 0: discovery)."""
+    return _int(msg.content.config_records.get(keys.PROBE), "round", 0)
+
+
 def _detail(err: Exception) -> str:
     detail = err.details() if hasattr(err, "details") else str(err)
     return str(detail)[:200]
@@ -111,8 +117,13 @@ def bulk_mod(msg: Message, context: Context, call_next) -> Message:
         if not reply.has_content():
             return reply
         st = reply.content.config_records.get(keys.STATUS)
+        path = None
         if keys.DISCOVER in msg.content.config_records and st is not None:
-            st["data_path"] = bulk.probe()
+            st["data_path"] = path = bulk.probe()
+        if keys.PROBE in msg.content.config_records and st is not None:  # measure the link (link_probe.py)
+            direct = path == "direct" if path is not None else bulk.told
+            st.update(link_probe.answer(bulk.client if direct else None, msg.content.config_records[keys.PROBE],
+                                        _round(msg), reply.content))
         figures = {}
         if down:
             figures.update(bulk_down_bytes=float(down), bulk_down_s=down_s)

@@ -114,7 +114,7 @@ class ServiceTrainer:
         return Path(info["workdir"])
 
     def _request(self, model: GlobalModel, config: RoundConfig) -> dict:
-        return {"round": config.round, "global": model.handle.to_json(), "config": config.model_dump(),
+        return {"round": config.round, "global": model.handle.to_json(), "config": config.model_dump(exclude_none=True),
                 "timeout_s": config.deadline_s}
 
     def train(self, model: GlobalModel, config: RoundConfig) -> TrainResult:

@@ -101,3 +101,17 @@ def bulk_refs_seeds() -> list[bytes]:
     from flwr.common.serde import recorddict_to_proto
 
     return [recorddict_to_proto(_refs_message()[1]).SerializeToString()]
+
+
+def decode_link_probe_report(data: bytes) -> object:
+    """A site's link figures (its STATUS `link_probe`, a string), as the coordinator reads them."""
+    from federation.protocol.link_probe import parse_figures
+
+    return parse_figures(data.decode("utf-8", "replace"))
+
+
+def link_probe_report_seeds() -> list[bytes]:
+    from federation.protocol.link_probe import LinkFigures
+
+    return [LinkFigures("bulk", 31.2, 99.8, 100.1, 6_000_000, 6_100_000, 1, False, 3).to_json().encode(),
+            LinkFigures("flower", 6900.0, 11.2, 13.4, 4 << 20, 4 << 20, 1, True, 0).to_json().encode()]

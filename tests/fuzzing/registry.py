@@ -168,6 +168,10 @@ def _register_bulk() -> None:
              strategy=mutated_json)
     register("bulk-chunk", b.decode_bulk_chunk, BulkRefused, seeds=b.bulk_chunk_seeds, max_size=1 << 18)
     register("bulk-refs", b.decode_bulk_refs, _protocol_rejects(BulkRefused), seeds=b.bulk_refs_seeds)
+    from federation.protocol.link_probe import LinkProbeError
+
+    register("link-probe-report", b.decode_link_probe_report, LinkProbeError, seeds=b.link_probe_report_seeds,
+             strategy=mutated_json, max_size=4096)
 
 
 _register_protocol()

@@ -1,0 +1,84 @@
+"""The driver's use of round_plan.choose: the figures it needs, gathered from the run.
+
+Per round: the link figures of the round's sites (link_book.py), each site's seconds per local
+step from its latest line in the metrics history (its trainer's `train_s` over the steps it
+reports having run, else those it was given, else its own `local_steps`), the bytes of an update under each codec
+(what that codec really sent in an earlier round, else round_plan.wire_bytes) and the model's
+bytes down (what the last round's sites received on the data path, else the dense model), and
+what the last round cost besides (its wall time less the slowest site's trainer calls, the
+predicted transfer and any link probe: Flower's delivery, ClientApp start-up, aggregation).
+
+A resumed run re-measures its links at discovery and gets the step times and sizes from the
+restored history, so the rounds it runs are chosen from fresh links; the rounds before keep the
+choices their lines record.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from federation.config.schema import ExperimentConfig
+from federation.coordinator.round_plan import RoundChoice, choose, wire_bytes
+from federation.protocol.link_probe import LinkFigures
+
+
+class RoundPlanner:
+    """Chooses each round's codec and local steps for `federation.round_target_s`."""
+
+    def __init__(self, cfg: ExperimentConfig, progress: Callable[[str], None]):
+        self.cfg, self.fed, self.progress = cfg, cfg.federation, progress
+        self.ladder = self.fed.codec_ladder
+        self.own_steps = {s.id: s.local_steps for s in cfg.sites}
+        self.choices: dict[int, RoundChoice] = {}
+
+    def step_times(self, history: list[dict]) -> dict[str, float]:
+        """site -> seconds per local step, from its latest round in `history`."""
+        out: dict[str, float] = {}
+        for line in history:
+            steps = (line.get("round_plan") or {}).get("local_steps")
+            for site, m in (line.get("sites") or {}).items():
+                took = m.get("seconds") or m.get("train_call_s")
+                n = m.get("local_steps") or steps or self.own_steps.get(site)  # what it says it ran, else what it was told
+                if isinstance(took, (int, float)) and took > 0 and n:
+                    out[site] = float(took) / n
+        return out
+
+    def sizes(self, history: list[dict], numel: int) -> tuple[dict[str, float], float | None]:
+        """(codec -> bytes of one update, bytes down of the latest round or None)."""
+        seen: dict[str, float] = {}
+        down = None
+        for line in history:
+            codec = (line.get("round_plan") or {}).get("codec")
+            ups = [m["upload_bytes"] for m in (line.get("sites") or {}).values() if m.get("upload_bytes")]
+            if codec and ups:
+                seen[codec] = max(ups)
+            downs = [m["bulk_down_bytes"] for m in (line.get("sites") or {}).values() if m.get("bulk_down_bytes")]
+            if downs:
+                down = max(downs)
+        return {c: seen.get(c, float(wire_bytes(c, numel))) for c in self.ladder}, down
+
+    def fixed_s(self, history: list[dict]) -> float:
+        """What the latest round cost besides the link and the training: its wall time less the
+        slowest site's trainer calls, the predicted transfer and any link probe (0 before any round)."""
+        if not history:
+            return 0.0
+        line = history[-1]
+        t = line.get("timing") or {}
+        probes = sum(float(st.get("seconds") or 0) for st in t.get("stages") or []
+                     if str(st.get("stage", "")).startswith(("link probe", "discovery")))
+        transfer = float((line.get("round_plan") or {}).get("transfer_s") or 0.0)
+        total = float(line.get("round_s") or 0.0) - probes - float(t.get("site_work_s") or 0.0) - transfer
+        return max(0.0, total)
+
+    def choose(self, rnd: int, sites: list[str], links: Mapping[str, LinkFigures], history: list[dict],
+               numel: int, dense_bytes: int) -> RoundChoice:
+        """Round `rnd`'s choice for `sites`; logged with its reason."""
+        up, down = self.sizes(history, numel)
+        choice = choose(rnd, float(self.fed.round_target_s or 0), {s: links[s] for s in sites if s in links},
+                        self.step_times(history), self.ladder, up, down if down is not None else float(dense_bytes),
+                        link_share=self.fed.link.link_share, min_steps=self.fed.link.min_local_steps,
+                        max_steps=self.fed.link.max_local_steps, fallback_codec=self.fed.codec,
+                        fixed_s=self.fixed_s(history))
+        self.choices[rnd] = choice
+        self.progress(f"round {rnd}: round target {self.fed.round_target_s:g}s: {choice.reason}")
+        return choice
