@@ -407,6 +407,19 @@ class ChatSequences(Dataset):
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_maps": None}
 
+    def conversations(self) -> dict[str, list[list[int]]]:
+        """Every conversation unpacked, unpadded: `input_ids` and `labels` (-100 off its completion
+        tokens), one list each per conversation: what TRL's `SFTTrainer` takes as a tokenized
+        dataset, to pack itself (`hf_callback.SiteData.sft_datasets`)."""
+        if self.tokens == 0:
+            return {"input_ids": [], "labels": []}
+        ids = np.fromfile(self.dir / self.entry["file"], dtype=self.dtype, count=self.tokens).astype(np.int64)
+        mask = np.fromfile(self.dir / self.entry["arrays"]["labels"]["file"], dtype=np.uint8,
+                           count=self.tokens).astype(bool)
+        labels = np.where(mask, ids, IGNORE)
+        return {"input_ids": [ids[a:b].tolist() for a, b in zip(self.begins.tolist(), self.ends.tolist())],
+                "labels": [labels[a:b].tolist() for a, b in zip(self.begins.tolist(), self.ends.tolist())]}
+
 
 def loss_sums(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed next-token negative log-likelihood over the target tokens, their count) of a batch of

@@ -39,6 +39,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from transformers import Trainer, TrainerCallback
@@ -175,9 +176,20 @@ class FederatedCallback(TrainerCallback):
             rnd.report(num_examples=0, loss=0.0)
             return
         metrics = self.trainer.evaluate()
-        ds = self.trainer.eval_dataset  # chat rows (site_data): weighted by completion tokens, as the built-in loop
-        n = int(getattr(ds, "targets", 0) or len(ds))
+        n = self._eval_weight()
         rnd.report(num_examples=n if self.rank == 0 else 0, loss=float(metrics.get("eval_loss", float("nan"))))
+
+    def _eval_weight(self) -> int:
+        """The validation set's completion tokens (as the built-in loop weighs chat data): `targets` of
+        `site_data()`'s rows, the labels not -100 of `sft_datasets()`'s (after SFTTrainer packed them);
+        its length for other data."""
+        if getattr(self, "_eval_n", None) is None:
+            ds = self.trainer.eval_dataset
+            n = int(getattr(ds, "targets", 0) or 0)
+            if not n and "labels" in (getattr(ds, "column_names", None) or ()):
+                n = sum(int(np.count_nonzero(np.asarray(lab) != -100)) for lab in ds["labels"])
+            self._eval_n = n or len(ds)
+        return self._eval_n
 
     def _report(self, state) -> None:
         steps = max(self.steps, 1)
@@ -235,6 +247,23 @@ class SiteData:
     val: Any | None
     site_metrics: dict[str, float]  # the PII scrubber's counts per entity type (numbers, never text)
     task: Any
+
+    def sft_datasets(self) -> tuple[Any, Any | None]:
+        """(train, val) as `datasets.Dataset`s for TRL's `SFTTrainer`: one row per conversation, its
+        `input_ids` and `labels` (-100 off the completion tokens), already rendered with the template,
+        PII-scrubbed and truncated to `seq_len`, so `SFTTrainer` only packs them (`packing=True`,
+        `max_length=seq_len`). Needs the `trl` extra (`pip install 'sovereign-fl[trl]'`)."""
+        try:
+            import datasets
+        except ImportError as err:
+            raise ImportError("SiteData.sft_datasets() needs Hugging Face `datasets` (with TRL): "
+                              "pip install 'sovereign-fl[trl]'") from err
+        if not hasattr(self.train, "conversations"):
+            raise session_mod.SessionError("sft_datasets() is for chat data (workload option format: chat); "
+                                           f"this task's training set is a {type(self.train).__name__}")
+        out = [datasets.Dataset.from_dict(split.conversations()) if split is not None else None
+               for split in (self.train, self.val)]
+        return out[0], out[1]
 
 
 def site_data(config: TrainerConfig | None = None) -> SiteData:

@@ -22,14 +22,15 @@ from site_trainer.config import SiteConfig, TrainerConfig, WorkloadConfig
 
 pytestmark = pytest.mark.slow(seconds=90)
 
-SCRIPT = ROOT / "examples" / "compliance_sft" / "train_with_trainer.py"
+EXAMPLE = ROOT / "examples" / "compliance_sft"
+SCRIPTS = {"trainer": EXAMPLE / "train_with_trainer.py", "sft": EXAMPLE / "train_sft.py"}  # Trainer, TRL SFTTrainer
 LOCAL_STEPS = 3
 
 
 def compliance_data():
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("compliance_data", SCRIPT.parent / "compliance_data.py")
+    spec = importlib.util.spec_from_file_location("compliance_data", EXAMPLE / "compliance_data.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -42,14 +43,14 @@ def workload(base: Path, chats: Path) -> WorkloadConfig:
         "lora": {"r": 4, "alpha": 8, "dropout": 0.0}})
 
 
-@pytest.fixture(scope="module")
-def service(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("cb")
+@pytest.fixture(scope="module", params=sorted(SCRIPTS))
+def service(tmp_path_factory, request):
+    tmp = tmp_path_factory.mktemp(f"cb-{request.param}")
     base = tiny_llama(tmp / "base", chat=True)
     compliance_data().write_site(tmp / "chats" / "s", 0, rows=80)
     wl = workload(base, tmp / "chats")
     site = SiteConfig(id="s", ranks=2, partition=0, local_steps=LOCAL_STEPS, batch_size=2, lr=0.01,
-                      script=str(SCRIPT))
+                      script=str(SCRIPTS[request.param]))
     cfg = TrainerConfig(site=site, workload=wl, num_partitions=1, rounds=4, socket=str(tmp / "s.sock"),
                         workdir=str(tmp / "s"))
     path = tmp / "trainer.json"
