@@ -16,9 +16,12 @@ calls, the framework does the rank-divergent parts. Round by round:
   over `eval_dataset`) and reports its `eval_loss`;
 - a stop (the coordinator's, or SIGTERM on the site) ends `trainer.train()` on every rank.
 
-Distributed training stays the Trainer's: DDP (and FSDP) through its accelerate integration, the
-process group the TrainingArguments formed (torchrun's) is the session's. Trainer arguments that
-conflict with federation are adjusted or refused when `federate` is called, with the reason:
+Distributed training stays the Trainer's: DDP and FSDP2 through its accelerate integration, the
+process group the TrainingArguments formed (torchrun's) is the session's, which loads the global
+weights into FSDP2's shards (DTensors) and gathers the whole update from them. accelerate shards only
+on accelerators: on CPU ranks (gloo) a `fsdp` request runs DDP, and the callback says so
+(`fsdp_note`; tests/test_hf_callback_fsdp.py). Trainer arguments that conflict with federation are
+adjusted or refused when `federate` is called, with the reason:
 
 - `max_steps` / `num_train_epochs`: the coordinator decides how long a site trains. The Trainer's
   loop is made endless (`max_steps` very large) and ends when the federation stops; a value the
@@ -78,6 +81,19 @@ def check_args(args, cfg: TrainerConfig) -> list[str]:
     return notes
 
 
+def fsdp_note(trainer: Trainer) -> str | None:
+    """A sentence when the script asked for FSDP (`TrainingArguments.fsdp`) and the Trainer's
+    accelerate will not shard: accelerate enables FSDP only on accelerators (its `DistributedType.FSDP`
+    is chosen for MULTI_GPU/XPU/NPU/... only, accelerate/state.py), so on CPU ranks (gloo) the Trainer
+    runs DDP (MULTI_CPU) and every rank holds the whole model. Training and the exchange stay correct."""
+    if not getattr(trainer.args, "fsdp", None) or getattr(trainer, "is_fsdp_enabled", False):
+        return None
+    kind = getattr(getattr(trainer.accelerator, "state", None), "distributed_type", "?")
+    return (f"TrainingArguments.fsdp is set but accelerate runs {getattr(kind, 'value', kind)}, not FSDP: accelerate "
+            "shards only on GPUs (and other accelerators), so these CPU ranks train with DDP, each holding the whole "
+            "model; drop `fsdp` on CPU, or run the site on GPUs (backend: nccl) to shard")
+
+
 def planned_steps(cfg: TrainerConfig) -> int:
     """The schedule's horizon: the federation's rounds x this site's local_steps."""
     return max(1, (cfg.rounds or 1) * cfg.site.local_steps)
@@ -89,7 +105,9 @@ class FederatedCallback(TrainerCallback):
     def __init__(self, trainer: Trainer, *, config: TrainerConfig | None = None, exchanged=None):
         self.trainer = trainer
         self.cfg = config or session_mod.site_config()
-        for note in check_args(trainer.args, self.cfg):
+        notes = check_args(trainer.args, self.cfg)
+        notes += [n for n in (fsdp_note(trainer),) if n]
+        for note in notes:
             log.warning("site %s: %s", self.cfg.site.id, note)
         model = trainer.model
         if getattr(getattr(model, "config", None), "use_cache", False):
