@@ -98,7 +98,8 @@ def trainer_config(tmp: Path, name: str, options: dict, args) -> Path:
     from site_trainer.config import SiteConfig, TrainerConfig, WorkloadConfig
 
     site = {"id": SITE, "ranks": args.ranks, "partition": 0, "local_steps": args.steps, "batch_size": args.batch,
-            "lr": args.lr, "optimizer": "adamw", "warmup_steps": args.warmup, "lr_schedule": "cosine"}
+            "lr": args.lr, "optimizer": "adamw", "warmup_steps": args.warmup, "lr_schedule": "cosine",
+            "pii": {"enabled": False}}  # synthetic text; the plain loop scrubs nothing either
     try:
         cfg = TrainerConfig(site=SiteConfig(**site), workload=WorkloadConfig(task="hf-causal-lm", options=options),
                             num_partitions=1, seed=0, rounds=args.rounds + 1, socket=str(tmp / f"{name}.sock"),

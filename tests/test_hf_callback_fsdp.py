@@ -67,7 +67,7 @@ def test_trainer_fsdp_request_through_the_callback(tmp_path):
         "val_data": str(tmp_path / "chats" / "{site}" / "val.jsonl"), "seq_len": 256,
         "lora": {"r": 4, "alpha": 8, "dropout": 0.0}})
     site = SiteConfig(id="s", ranks=RANKS, partition=0, local_steps=2, batch_size=2, lr=0.01, script=str(SCRIPT),
-                      backend="nccl" if GPUS else "gloo")
+                      backend="nccl" if GPUS else "gloo", pii={"enabled": False})  # synthetic rows: nothing to scrub
     cfg = TrainerConfig(site=site, workload=wl, num_partitions=1, rounds=2, socket=str(tmp_path / "s.sock"),
                         workdir=str(tmp_path / "s"))
     path = tmp_path / "trainer.json"
