@@ -1,5 +1,6 @@
-"""The Trainer callback (site_trainer/hf_callback.py): the example's Hugging Face Trainer script
-(examples/compliance_sft/train_with_trainer.py) run by torchrun on 2 gloo ranks as a site whose
+"""The Trainer callback (site_trainer/hf_callback.py): each of the example's scripts, the Hugging Face
+Trainer one (examples/compliance_sft/train_with_trainer.py) and the TRL SFTTrainer one
+(examples/compliance_sft/train_sft.py), run by torchrun on 2 gloo ranks (DDP) as a site whose
 federation workload is the built-in `hf-causal-lm` task (`sites[].script`), driven over the site's
 socket as the coordinator's relay drives it: the manifest is the task's, the global adapters are
 loaded before each round's steps, `local_steps` optimizer steps per round, the update comes back
