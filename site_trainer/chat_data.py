@@ -21,8 +21,9 @@ loss on assistant (completion) tokens only, packed so that no document sees anot
 - The cache (site_trainer/text_data.py's machinery: built once per site by rank 0, keyed by content)
   holds per split the token ids, a uint8 target mask and each conversation's end offset. The key
   includes the template and seq_len (conversations are cut at seq_len when built).
-- `ChatSequences` packs whole conversations, in order, into rows of seq_len tokens (next fit; the
-  rest padded, never a target). Position ids restart at 0 for every conversation: Hugging Face
+- `ChatSequences` packs whole conversations into rows of seq_len tokens (best fit decreasing: the
+  longest first, each into the fullest row it fits, so rows are nearly full: measured 86% -> 95% of
+  real tokens on the compliance example at seq_len 512, next fit in order before; the rest padded, never a target). Position ids restart at 0 for every conversation: Hugging Face
   models then mask attention block-diagonally (transformers' packed-sequence detection when no
   attention mask is given), so no token attends to, or is predicted from, another conversation.
   The first token of every conversation is never a target. `packing: false` puts one conversation
@@ -31,6 +32,7 @@ loss on assistant (completion) tokens only, packed so that no document sees anot
 
 from __future__ import annotations
 
+import bisect
 import collections
 import hashlib
 import json
@@ -326,17 +328,38 @@ class ChatCorpus(text_data.Corpus):
 
 
 # ---- reading -----------------------------------------------------------------------------------
-def pack(lengths: np.ndarray, seq_len: int, packing: bool = True) -> np.ndarray:
-    """Start indices (into the conversations) of each row: next fit in order, or one per row."""
-    if not packing:
-        return np.arange(len(lengths), dtype=np.int64)
-    starts, used = [], seq_len
-    for i, n in enumerate(lengths.tolist()):
-        if used + n > seq_len:
-            starts.append(i)
-            used = 0
-        used += n
-    return np.asarray(starts, np.int64)
+def pack(lengths: np.ndarray, seq_len: int, packing: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """(conversation indices, row offsets): row r holds conversations `docs[offsets[r]:offsets[r + 1]]`
+    (ascending). Packed: best fit decreasing (longest first, each into the row with the least room
+    that still fits it, else a new row); deterministic, so every rank gets the same rows. Unpacked:
+    one conversation per row, in order."""
+    n = len(lengths)
+    if not packing or n == 0:
+        return np.arange(n, dtype=np.int64), np.arange(n + 1, dtype=np.int64)
+    room: dict[int, list[int]] = collections.defaultdict(list)  # free tokens -> rows with exactly that room
+    free: list[int] = []  # the distinct free-token counts of open rows, sorted
+    rows: list[list[int]] = []
+    for i in np.argsort(-lengths, kind="stable").tolist():
+        need = int(lengths[i])
+        k = bisect.bisect_left(free, need)
+        if k < len(free):  # the row with the least room that fits
+            space = free[k]
+            r = room[space].pop()
+            if not room[space]:
+                del free[k]
+        else:
+            r, space = len(rows), seq_len
+            rows.append([])
+        rows[r].append(i)
+        left = space - need
+        if left > 0:
+            if not room[left]:
+                bisect.insort(free, left)
+            room[left].append(r)
+    docs = np.concatenate([np.sort(np.asarray(r, np.int64)) for r in rows])
+    offsets = np.zeros(len(rows) + 1, np.int64)
+    offsets[1:] = np.cumsum([len(r) for r in rows])
+    return docs, offsets
 
 
 class ChatSequences(Dataset):
@@ -359,7 +382,7 @@ class ChatSequences(Dataset):
         if len(lengths) and lengths.max() > self.seq_len:
             raise DataError(f"token cache {self.dir}: a conversation of {int(lengths.max())} tokens is longer than "
                             f"seq_len {self.seq_len}; it was built for another seq_len: delete it to rebuild")
-        self.starts = pack(lengths, self.seq_len, packing)
+        self.docs, self.offsets = pack(lengths, self.seq_len, packing)
         self.targets = int(entry.get("targets", 0))
         self._maps: tuple[np.memmap, np.memmap] | None = None
 
@@ -373,7 +396,11 @@ class ChatSequences(Dataset):
         return len(self.ends)
 
     def __len__(self) -> int:
-        return len(self.starts)
+        return len(self.offsets) - 1
+
+    def row_documents(self, index: int) -> list[int]:
+        """The conversations (indices in the cache's order) row `index` holds, in row order."""
+        return self.docs[self.offsets[index]:self.offsets[index + 1]].tolist()
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         n = len(self)
@@ -388,24 +415,36 @@ class ChatSequences(Dataset):
                           np.memmap(self.dir / self.entry["arrays"]["labels"]["file"], dtype=np.uint8, mode="r",
                                     shape=(self.tokens,)))
         ids_map, mask_map = self._maps
-        first = int(self.starts[index])
-        last = int(self.starts[index + 1]) if index + 1 < n else len(self.ends)
-        a, b = int(self.begins[first]), int(self.ends[last - 1])
         ids = np.full(self.seq_len, self.pad_id, np.int64)
         labels = np.full(self.seq_len, IGNORE, np.int64)
         pos = np.zeros(self.seq_len, np.int64)
-        ids[:b - a] = ids_map[a:b]
-        mask = mask_map[a:b].astype(bool)
-        labels[:b - a] = np.where(mask, ids[:b - a], IGNORE)
-        for d in range(first, last):
-            s, e = int(self.begins[d]) - a, int(self.ends[d]) - a
-            pos[s:e] = np.arange(e - s)
-        pos[b - a:] = np.arange(self.seq_len - (b - a))  # the padding: a block of its own
+        at = 0
+        for d in self.docs[self.offsets[index]:self.offsets[index + 1]].tolist():
+            a, b = int(self.begins[d]), int(self.ends[d])
+            e = at + b - a
+            ids[at:e] = ids_map[a:b]
+            labels[at:e] = np.where(mask_map[a:b].astype(bool), ids[at:e], IGNORE)
+            pos[at:e] = np.arange(b - a)
+            at = e
+        pos[at:] = np.arange(self.seq_len - at)  # the padding: a block of its own
         return {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels),
                 "position_ids": torch.from_numpy(pos)}
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_maps": None}
+
+    def conversations(self) -> dict[str, list[list[int]]]:
+        """Every conversation unpacked, unpadded: `input_ids` and `labels` (-100 off its completion
+        tokens), one list each per conversation: what TRL's `SFTTrainer` takes as a tokenized
+        dataset, to pack itself (`hf_callback.SiteData.sft_datasets`)."""
+        if self.tokens == 0:
+            return {"input_ids": [], "labels": []}
+        ids = np.fromfile(self.dir / self.entry["file"], dtype=self.dtype, count=self.tokens).astype(np.int64)
+        mask = np.fromfile(self.dir / self.entry["arrays"]["labels"]["file"], dtype=np.uint8,
+                           count=self.tokens).astype(bool)
+        labels = np.where(mask, ids, IGNORE)
+        return {"input_ids": [ids[a:b].tolist() for a, b in zip(self.begins.tolist(), self.ends.tolist())],
+                "labels": [labels[a:b].tolist() for a, b in zip(self.begins.tolist(), self.ends.tolist())]}
 
 
 def loss_sums(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,9 +16,12 @@ calls, the framework does the rank-divergent parts. Round by round:
   over `eval_dataset`) and reports its `eval_loss`;
 - a stop (the coordinator's, or SIGTERM on the site) ends `trainer.train()` on every rank.
 
-Distributed training stays the Trainer's: DDP (and FSDP) through its accelerate integration, the
-process group the TrainingArguments formed (torchrun's) is the session's. Trainer arguments that
-conflict with federation are adjusted or refused when `federate` is called, with the reason:
+Distributed training stays the Trainer's: DDP and FSDP2 through its accelerate integration, the
+process group the TrainingArguments formed (torchrun's) is the session's, which loads the global
+weights into FSDP2's shards (DTensors) and gathers the whole update from them. accelerate shards only
+on accelerators: on CPU ranks (gloo) a `fsdp` request runs DDP, and the callback says so
+(`fsdp_note`; tests/test_hf_callback_fsdp.py). Trainer arguments that conflict with federation are
+adjusted or refused when `federate` is called, with the reason:
 
 - `max_steps` / `num_train_epochs`: the coordinator decides how long a site trains. The Trainer's
   loop is made endless (`max_steps` very large) and ends when the federation stops; a value the
@@ -39,6 +42,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from transformers import Trainer, TrainerCallback
@@ -77,6 +81,19 @@ def check_args(args, cfg: TrainerConfig) -> list[str]:
     return notes
 
 
+def fsdp_note(trainer: Trainer) -> str | None:
+    """A sentence when the script asked for FSDP (`TrainingArguments.fsdp`) and the Trainer's
+    accelerate will not shard: accelerate enables FSDP only on accelerators (its `DistributedType.FSDP`
+    is chosen for MULTI_GPU/XPU/NPU/... only, accelerate/state.py), so on CPU ranks (gloo) the Trainer
+    runs DDP (MULTI_CPU) and every rank holds the whole model. Training and the exchange stay correct."""
+    if not getattr(trainer.args, "fsdp", None) or getattr(trainer, "is_fsdp_enabled", False):
+        return None
+    kind = getattr(getattr(trainer.accelerator, "state", None), "distributed_type", "?")
+    return (f"TrainingArguments.fsdp is set but accelerate runs {getattr(kind, 'value', kind)}, not FSDP: accelerate "
+            "shards only on GPUs (and other accelerators), so these CPU ranks train with DDP, each holding the whole "
+            "model; drop `fsdp` on CPU, or run the site on GPUs (backend: nccl) to shard")
+
+
 def planned_steps(cfg: TrainerConfig) -> int:
     """The schedule's horizon: the federation's rounds x this site's local_steps."""
     return max(1, (cfg.rounds or 1) * cfg.site.local_steps)
@@ -88,7 +105,9 @@ class FederatedCallback(TrainerCallback):
     def __init__(self, trainer: Trainer, *, config: TrainerConfig | None = None, exchanged=None):
         self.trainer = trainer
         self.cfg = config or session_mod.site_config()
-        for note in check_args(trainer.args, self.cfg):
+        notes = check_args(trainer.args, self.cfg)
+        notes += [n for n in (fsdp_note(trainer),) if n]
+        for note in notes:
             log.warning("site %s: %s", self.cfg.site.id, note)
         model = trainer.model
         if getattr(getattr(model, "config", None), "use_cache", False):
@@ -175,9 +194,20 @@ class FederatedCallback(TrainerCallback):
             rnd.report(num_examples=0, loss=0.0)
             return
         metrics = self.trainer.evaluate()
-        ds = self.trainer.eval_dataset  # chat rows (site_data): weighted by completion tokens, as the built-in loop
-        n = int(getattr(ds, "targets", 0) or len(ds))
+        n = self._eval_weight()
         rnd.report(num_examples=n if self.rank == 0 else 0, loss=float(metrics.get("eval_loss", float("nan"))))
+
+    def _eval_weight(self) -> int:
+        """The validation set's completion tokens (as the built-in loop weighs chat data): `targets` of
+        `site_data()`'s rows, the labels not -100 of `sft_datasets()`'s (after SFTTrainer packed them);
+        its length for other data."""
+        if getattr(self, "_eval_n", None) is None:
+            ds = self.trainer.eval_dataset
+            n = int(getattr(ds, "targets", 0) or 0)
+            if not n and "labels" in (getattr(ds, "column_names", None) or ()):
+                n = sum(int(np.count_nonzero(np.asarray(lab) != -100)) for lab in ds["labels"])
+            self._eval_n = n or len(ds)
+        return self._eval_n
 
     def _report(self, state) -> None:
         steps = max(self.steps, 1)
@@ -235,6 +265,23 @@ class SiteData:
     val: Any | None
     site_metrics: dict[str, float]  # the PII scrubber's counts per entity type (numbers, never text)
     task: Any
+
+    def sft_datasets(self) -> tuple[Any, Any | None]:
+        """(train, val) as `datasets.Dataset`s for TRL's `SFTTrainer`: one row per conversation, its
+        `input_ids` and `labels` (-100 off the completion tokens), already rendered with the template,
+        PII-scrubbed and truncated to `seq_len`, so `SFTTrainer` only packs them (`packing=True`,
+        `max_length=seq_len`). Needs the `trl` extra (`pip install 'sovereign-fl[trl]'`)."""
+        try:
+            import datasets
+        except ImportError as err:
+            raise ImportError("SiteData.sft_datasets() needs Hugging Face `datasets` (with TRL): "
+                              "pip install 'sovereign-fl[trl]'") from err
+        if not hasattr(self.train, "conversations"):
+            raise session_mod.SessionError("sft_datasets() is for chat data (workload option format: chat); "
+                                           f"this task's training set is a {type(self.train).__name__}")
+        out = [datasets.Dataset.from_dict(split.conversations()) if split is not None else None
+               for split in (self.train, self.val)]
+        return out[0], out[1]
 
 
 def site_data(config: TrainerConfig | None = None) -> SiteData:

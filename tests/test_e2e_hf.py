@@ -5,9 +5,9 @@ then `sovfl export` of the run.
 Two federations, each checked for several things (a federation costs about a minute here):
 - LoRA on chat data (format chat: synthetic compliance conversations, the loss on assistant tokens
   only), SecAgg+ on, 3 rounds with evaluation, sites a and b with 2 ranks each, and site c whose base
-  model has other weights. Site a runs the built-in task; site b runs the example's Hugging Face
-  Trainer script through the callback (`sites[].script`: examples/compliance_sft/train_with_trainer.py,
-  DDP through the Trainer's accelerate). The completion-only eval loss falls round after round; c
+  model has other weights. Site a runs the built-in task; site b runs the example's TRL
+  `SFTTrainer` script through the callback (`sites[].script`: examples/compliance_sft/train_sft.py,
+  SFTTrainer packing the site's conversations itself, DDP through the Trainer's accelerate). The completion-only eval loss falls round after round; c
   is refused by name at discovery and every round completes with a and b; only
   the adapters travel (bytes up per site: the adapter's values as 32-bit ring words, plus the
   weight word; not the model); each new global adapter is the weighted mean of the deltas the
@@ -122,7 +122,7 @@ def test_lora_chat_secagg_two_sites_two_ranks_refused_base_and_export(tmp_path, 
 
     other = tiny_llama(tmp_path / "other-base", seed=1, chat=True)  # same architecture, other weights
     chat_site = {**SITE, "lr": 0.02}
-    script = ROOT / "examples" / "compliance_sft" / "train_with_trainer.py"  # b: a Trainer with the callback
+    script = ROOT / "examples" / "compliance_sft" / "train_sft.py"  # b: TRL's SFTTrainer with the callback
     sites = [{"id": "a", "ranks": 2, "partition": 0, **chat_site},
              {"id": "b", "ranks": 2, "partition": 1, **chat_site, "script": str(script)},
              {"id": "c", "ranks": 1, "partition": 2, **chat_site, "workload_options": {"model_dir": str(other)}}]
@@ -142,6 +142,7 @@ def test_lora_chat_secagg_two_sites_two_ranks_refused_base_and_export(tmp_path, 
         trainer_log = (run / "logs" / f"site-{s}-trainer.log").read_text()
         assert "completion token(s) to learn" in trainer_log and "packed" in trainer_log
     b_log = (run / "logs" / "site-b-trainer.log").read_text()
+    assert "Packing train dataset" in b_log  # SFTTrainer packed b's conversations itself
     assert "rank 0: federation ended" in b_log and "rank 1: federation ended" in b_log  # train() returned on stop
 
     # c is left out by name before any update is averaged, counted once; the rounds go on with a and b

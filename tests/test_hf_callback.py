@@ -1,5 +1,6 @@
-"""The Trainer callback (site_trainer/hf_callback.py): the example's Hugging Face Trainer script
-(examples/compliance_sft/train_with_trainer.py) run by torchrun on 2 gloo ranks as a site whose
+"""The Trainer callback (site_trainer/hf_callback.py): each of the example's scripts, the Hugging Face
+Trainer one (examples/compliance_sft/train_with_trainer.py) and the TRL SFTTrainer one
+(examples/compliance_sft/train_sft.py), run by torchrun on 2 gloo ranks (DDP) as a site whose
 federation workload is the built-in `hf-causal-lm` task (`sites[].script`), driven over the site's
 socket as the coordinator's relay drives it: the manifest is the task's, the global adapters are
 loaded before each round's steps, `local_steps` optimizer steps per round, the update comes back
@@ -22,14 +23,15 @@ from site_trainer.config import SiteConfig, TrainerConfig, WorkloadConfig
 
 pytestmark = pytest.mark.slow(seconds=90)
 
-SCRIPT = ROOT / "examples" / "compliance_sft" / "train_with_trainer.py"
+EXAMPLE = ROOT / "examples" / "compliance_sft"
+SCRIPTS = {"trainer": EXAMPLE / "train_with_trainer.py", "sft": EXAMPLE / "train_sft.py"}  # Trainer, TRL SFTTrainer
 LOCAL_STEPS = 3
 
 
 def compliance_data():
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("compliance_data", SCRIPT.parent / "compliance_data.py")
+    spec = importlib.util.spec_from_file_location("compliance_data", EXAMPLE / "compliance_data.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -42,14 +44,14 @@ def workload(base: Path, chats: Path) -> WorkloadConfig:
         "lora": {"r": 4, "alpha": 8, "dropout": 0.0}})
 
 
-@pytest.fixture(scope="module")
-def service(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("cb")
+@pytest.fixture(scope="module", params=sorted(SCRIPTS))
+def service(tmp_path_factory, request):
+    tmp = tmp_path_factory.mktemp(f"cb-{request.param}")
     base = tiny_llama(tmp / "base", chat=True)
     compliance_data().write_site(tmp / "chats" / "s", 0, rows=80)
     wl = workload(base, tmp / "chats")
     site = SiteConfig(id="s", ranks=2, partition=0, local_steps=LOCAL_STEPS, batch_size=2, lr=0.01,
-                      script=str(SCRIPT))
+                      script=str(SCRIPTS[request.param]))
     cfg = TrainerConfig(site=site, workload=wl, num_partitions=1, rounds=4, socket=str(tmp / "s.sock"),
                         workdir=str(tmp / "s"))
     path = tmp / "trainer.json"

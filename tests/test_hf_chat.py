@@ -116,9 +116,11 @@ def test_packed_conversations_do_not_see_each_other(tmp_path, tok, chat_llama_di
         out = model(input_ids=row["input_ids"][None], position_ids=pos[None], use_cache=False).logits[0]
         nll_packed, _ = chat_data.loss_sums(model, {k: v[None] for k, v in row.items()})
         nll_alone = 0.0
-        for d, begin in enumerate(starts[:-1]):  # the last block is the padding
+        docs = packed.row_documents(0)  # the conversations of the row, in order (then the padding, if any)
+        bounds = starts[:len(docs)] + [starts[len(docs)] if len(starts) > len(docs) else seq]
+        for j, d in enumerate(docs):
             one = alone[d]
-            end = starts[d + 1]
+            begin, end = bounds[j], bounds[j + 1]
             length = end - begin
             assert torch.equal(one["input_ids"][:length], row["input_ids"][begin:end])
             ref = model(input_ids=one["input_ids"][None, :length]).logits[0]
@@ -129,6 +131,21 @@ def test_packed_conversations_do_not_see_each_other(tmp_path, tok, chat_llama_di
     with torch.no_grad():
         leaky = model(input_ids=row["input_ids"][None]).logits[0]
     assert (leaky[starts[1]:starts[2]] - out[starts[1]:starts[2]]).abs().max() > 1e-3
+
+
+def test_packing_is_best_fit_decreasing_and_keeps_every_conversation_once():
+    """Every conversation in exactly one row, no row over seq_len, the rows as few as best fit
+    decreasing makes them (next fit in order would need 5 rows here, best fit 3), the same on every call."""
+    lengths = np.array([60, 50, 45, 40, 30, 20, 10, 5, 40])
+    docs, offsets = chat_data.pack(lengths, 100)
+    rows = [docs[offsets[r]:offsets[r + 1]].tolist() for r in range(len(offsets) - 1)]
+    assert sorted(docs.tolist()) == list(range(len(lengths)))
+    assert all(sum(lengths[r]) <= 100 for r in rows) and all(r == sorted(r) for r in rows)
+    assert len(rows) == 3 == -(-int(lengths.sum()) // 100)  # as few rows as the tokens allow
+    again, _ = chat_data.pack(lengths, 100)
+    assert np.array_equal(docs, again)
+    one, offs = chat_data.pack(lengths, 100, packing=False)
+    assert one.tolist() == list(range(9)) and offs.tolist() == list(range(10))
 
 
 def test_loss_equals_transformers_own_loss_on_the_same_labels(tmp_path, tok, chat_llama_dir):  # noqa: F811
