@@ -38,7 +38,8 @@ def _signal_trainer(run: Path, site: str, sig: int) -> None:
 def test_crash_hang_and_hostile_site(tmp_path, marker):
     """A site whose trainer crashes, one that hangs and one that sends NaN: each is reported by
     name; rounds go on while the quorum holds, are skipped (model unchanged) when it does not,
-    and the run ends within its deadlines leaving no process behind."""
+    and the run ends within its deadlines leaving no process behind. The `flwr run` log stream is
+    killed after round 1: the launcher asks the SuperLink and waits for the run's result."""
     cfg = {
         "federation": {"name": "faults", "rounds": 3, "quorum": 2,
                        # the crashed trainer must stay down (restarts: tests/test_e2e_site_restart.py)
@@ -56,6 +57,8 @@ def test_crash_hang_and_hostile_site(tmp_path, marker):
         metrics = run / "metrics.jsonl"
         wait_metrics_line(metrics, 1, proc, 300)
         _signal_trainer(run, "c", signal.SIGKILL)  # crash
+        # the `flwr run --stream` log stream dies (as a SuperLink 500 on it ends it): the run goes on
+        os.kill(json.loads((run / "pids.json").read_text())["flwr-run"], signal.SIGKILL)
         wait_metrics_line(metrics, 2, proc, 200)
         _signal_trainer(run, "b", signal.SIGSTOP)  # hang
         out, _ = proc.communicate(timeout=200)
@@ -80,6 +83,7 @@ def test_crash_hang_and_hostile_site(tmp_path, marker):
     assert all(np.array_equal(skipped.arrays["model"][k], before[k]) for k in before)
     assert "site c excluded" in out and "site hostile excluded" in out and "skipped" in out
     assert "RESULT rounds=2" in out
+    assert "the Flower log stream ended but the run is running" in out
     assert elapsed < 400
     assert live_marked(marker) == []
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -331,6 +332,7 @@ def watch_run(sup: Supervisor, must_live: list[Proc], deadline_s: float, progres
     end = time.monotonic() + deadline_s
     run_proc = next((p for p in must_live if p.name == "flwr-run"), None)
     run_exited_at: float | None = None
+    warned_stream = False
     while True:
         if progress_path.exists():
             text = progress_path.read_text()
@@ -350,10 +352,42 @@ def watch_run(sup: Supervisor, must_live: list[Proc], deadline_s: float, progres
             if not proc.alive():
                 raise LaunchError(f"{proc.name} exited with code {proc.popen.returncode}; see {proc.log}:\n{tail(proc.log)}")
         if run_exited_at is not None and time.monotonic() - run_exited_at > 15:
-            raise LaunchError(f"the Flower run ended without a result; see {run_proc.log}:\n{tail(run_proc.log)}")
+            # `flwr run --stream` is a log stream: a SuperLink error on it (HTTP 500 `database is
+            # locked` under load) ends it while the ServerApp goes on. Only the run's own status says.
+            status = run_status(sup, run_proc)
+            if result_path.exists():  # written while we asked
+                continue
+            if status is None or status.startswith("finished"):
+                raise LaunchError(f"the Flower run ended without a result (status {status or 'unknown'}); see "
+                                  f"{run_proc.log}:\n{tail(run_proc.log)}")
+            if not warned_stream:
+                progress(f"the Flower log stream ended but the run is {status}: waiting for its result")
+                warned_stream = True
+            run_exited_at = time.monotonic()  # ask again in 15 s
         if time.monotonic() > end:
             raise LaunchError(f"the federation did not finish within {deadline_s:.0f}s")
         time.sleep(0.5)
+
+
+def run_status(sup: Supervisor, run_proc: Proc, attempts: int = 5) -> str | None:
+    """The SuperLink's status of the run `run_proc` started (e.g. "running", "finished:failed"), from
+    `flwr ls --run-id ... --format json`; None if the run id is unknown or the SuperLink does not
+    answer after `attempts` tries (each transient error retried after a second)."""
+    found = re.search(r"Successfully started run (\d+)", run_proc.log.read_text(errors="replace")
+                      if run_proc.log.exists() else "")
+    if found is None:
+        return None
+    for _ in range(attempts):
+        try:
+            out = subprocess.run([_bin("flwr"), "ls", "sovfl", "--run-id", found.group(1), "--format", "json"],
+                                 capture_output=True, text=True, env=sup.env(), cwd=sup.workdir, timeout=60)
+            runs = json.loads(out.stdout).get("runs") or []
+            if runs and runs[0].get("status"):
+                return str(runs[0]["status"])
+        except (subprocess.SubprocessError, OSError, ValueError, AttributeError):
+            pass
+        time.sleep(1.0)
+    return None
 
 
 def site_guard(sup: Supervisor, cfg: ExperimentConfig, progress: Callable[[str], None]):
