@@ -166,10 +166,29 @@ def main() -> None:
         print("# our last round, per stage: " + "; ".join(
             f"{s['stage']}: {s['seconds']:.2f}s (push {s.get('push_s', 0):.2f}, wait {s.get('wait_s', 0):.2f}, "
             f"slowest reply {s.get('slowest_reply_s', 0):.2f})" for s in stages))
+    cost = message_parts(lines)
+    if cost:
+        print("# ours per message, rounds 2+, median over sites and stages (federation/protocol/message_cost.py): "
+              + ", ".join(f"{k} {v:.2f}s" for k, v in cost.items()))
     ours_med, flower_med = statistics.median(ours_over), statistics.median(flower_over)
     round_trips = max(trips, default=0)
     print(f"RESULT ours_overhead_s={ours_med:.2f} flower_overhead_s={flower_med:.2f} "
-          f"overhead_ratio={ours_med / flower_med:.2f} round_trips={round_trips}")
+          f"overhead_ratio={ours_med / flower_med:.2f} round_trips={round_trips} "
+          + " ".join(f"msg_{k}={v:.2f}" for k, v in cost.items()))
+
+
+def message_parts(lines: list[dict]) -> dict[str, float]:
+    """The median of each part of our messages' seconds over every site's message of rounds 2+."""
+    parts: dict[str, list[float]] = {}
+    for line in lines:
+        if line["round"] < 2:
+            continue
+        for stage in line.get("timing", {}).get("stages", []):
+            for c in (stage.get("messages") or {}).values():
+                for k, v in c.items():
+                    parts.setdefault(k, []).append(v)
+    order = ("total_s", "launch_s", "startup_s", "app_import_s", "handler_s", "return_s")
+    return {k: statistics.median(parts[k]) for k in order if parts.get(k)}
 
 
 if __name__ == "__main__":
