@@ -221,6 +221,7 @@ class Coordinator:
             result.bytes_down += record_bytes(m.content) + ref_bytes(m.content)
         names = {m.metadata.dst_node_id: self.site_name(m.metadata.dst_node_id) for m, _ in built}
         pending: dict[str, tuple[int, list[Rider]]] = {}
+        pushed = time.time()  # wall clock (the sites stamp replies on theirs): a site may start before the push ends
         ids = list(self.grid.push_messages([m for m, _ in built])) if built else []
         for i, (mid, (m, seen)) in enumerate(zip(ids, built)):
             node = m.metadata.dst_node_id
@@ -236,7 +237,6 @@ class Coordinator:
         del built
         self.downlink.forget_stage()  # pushed: the serialized model lives on in the SuperLink or the data path's file
         result.push_s = time.monotonic() - t0
-        pushed = time.time()  # wall clock: the sites stamp their replies on theirs (message_cost.py)
         end = time.monotonic() + ex.deadline_s
         poll = PollSchedule()  # (polling.py: how often a wait asks the SuperLink)
         while pending and time.monotonic() < end:

@@ -7,14 +7,17 @@ imports, the message's object pulls, then on the way back the SuperNode's 0.5 s 
 reply, its push and the coordinator's poll. Flower's code holds those constants and is not ours to
 patch, so the metrics say how much of each message they took, per site and stage:
 
-  launch_s   push done (coordinator's clock) -> the ClientApp process exists (site's clock): the
+  launch_s   push (coordinator's clock, when it starts pushing the stage) -> the ClientApp process
+             exists (site's clock): the other sites' messages pushed before this one, the
              SuperNode's poll sleep, its object pulls, the SuperExec's task poll and the spawn
   startup_s  process exists -> our handler starts (site's clock): interpreter and flwr imports,
-             the message's pull from the SuperNode, loading our app (`app_import_s` of it: ours)
-  handler_s  our mods and calls (the trainer's work is inside it: `train_call_s` and the like)
-  return_s   handler done (site) -> reply pulled (coordinator): the reply's push to the SuperNode,
-             its 0.5 s reply check and push to the SuperLink, our poll (polling.py)
-  total_s    push done -> reply pulled (coordinator's clock alone): the four add up to it
+             the message's and the app's pull from the SuperNode, the app's install, loading our
+             app (`app_import_s` of it: the part that is ours)
+  handler_s  our mods and calls: the trainer's work (`train_call_s` and the like) and data-path
+             transfers (`bulk_*_s`) are inside it
+  return_s   handler done (site) -> reply pulled (coordinator): the reply's serialization and push
+             to the SuperNode, its 0.5 s reply check and push to the SuperLink, our poll (polling.py)
+  total_s    push -> reply pulled (coordinator's clock alone): the four add up to it
 
 `launch_s` and `return_s` compare the two machines' wall clocks; on separate hosts they are only
 as good as the clocks' agreement (NTP), while `total_s`, `startup_s` and `handler_s` are each read
