@@ -64,6 +64,7 @@ from federation.coordinator.strategy import (
     Site,
     Strategy,
 )
+from federation.protocol import message_cost
 from federation.protocol import message_keys as keys
 from federation.protocol.codecs import Arrays
 from federation.protocol.bulk import BulkRefused
@@ -99,7 +100,8 @@ def stage_timing(name: str, result: ExchangeResult, aggregate_s: float = 0.0) ->
     return {"stage": name, "seconds": round(result.seconds, 4), "push_s": round(result.push_s, 4),
             "wait_s": round(result.wait_s, 4), "receive_s": round(result.receive_s, 4),
             "aggregate_s": round(aggregate_s, 4), "replies": len(result.by_node),
-            "slowest_reply_s": round(max(result.by_node.values(), default=0.0), 4)}
+            "slowest_reply_s": round(max(result.by_node.values(), default=0.0), 4),
+            "messages": result.msg_cost}
 
 
 class Coordinator:
@@ -219,6 +221,7 @@ class Coordinator:
             result.bytes_down += record_bytes(m.content) + ref_bytes(m.content)
         names = {m.metadata.dst_node_id: self.site_name(m.metadata.dst_node_id) for m, _ in built}
         pending: dict[str, tuple[int, list[Rider]]] = {}
+        pushed = time.time()  # wall clock (the sites stamp replies on theirs): a site may start before the push ends
         ids = list(self.grid.push_messages([m for m, _ in built])) if built else []
         for i, (mid, (m, seen)) in enumerate(zip(ids, built)):
             node = m.metadata.dst_node_id
@@ -246,6 +249,8 @@ class Coordinator:
                         continue
                     node, seen = entry
                     result.by_node[node] = time.monotonic() - t0
+                    if reply.has_content():
+                        result.msg_cost[names[node]] = message_cost.split(reply.content, pushed, time.time())
                     if not self._bulk_in(result, names[node], reply):
                         for rider in seen:
                             rider.take(node, None)
@@ -746,6 +751,7 @@ class Coordinator:
         line["downlink"] = self.downlink.round_metrics()
         line["round_s"] = time.monotonic() - t0
         line["timing"]["round_s"] = round(line["round_s"], 4)
+        line["timing"]["message_cost"] = message_cost.per_site(line["timing"].get("stages", []))
         line["messages"] = self.messages_per_site()
         if write:
             self.commit_line(rnd, line)

@@ -89,6 +89,7 @@ class ExchangeResult:
     wait_s: float = 0.0  # waiting for replies (the sites' work, Flower's delivery, our polling)
     receive_s: float = 0.0  # folding replies as they arrive (decoding, summing)
     by_node: dict[int, float] = field(default_factory=dict)  # node -> seconds until its reply was pulled
+    msg_cost: dict[str, dict[str, float]] = field(default_factory=dict)  # site -> its message's seconds (message_cost.py)
 
 
 @dataclass(frozen=True)

@@ -250,7 +250,18 @@ def start_supernode(sup: Supervisor, site: SiteConfig, superlink: str, socket_pa
     return sup.start(f"site-{site.id}-supernode", [
         _bin("flower-supernode"), *security, "--superlink", superlink, "--port", str(free_port()),
         "--node-config", node_config, "--max-wait-time", "600",
-    ])
+    ], extra_env=superexec_poll_env())
+
+
+SUPEREXEC_POLL_ENV = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL"  # flwr 1.41's one knob on a message's path (seconds)
+SUPEREXEC_POLL_S = "0.2"  # Flower's default 1.0 s: each message waits up to that before its ClientApp starts
+
+
+def superexec_poll_env() -> dict[str, str]:
+    """The SuperExec a SuperNode starts inherits its environment: poll for tasks every
+    SUPEREXEC_POLL_S (one local request to the SuperNode each) unless the user's environment sets
+    the knob itself. What a message still waits for is in the metrics (protocol/message_cost.py)."""
+    return {} if os.environ.get(SUPEREXEC_POLL_ENV) else {SUPEREXEC_POLL_ENV: SUPEREXEC_POLL_S}
 
 
 def site_attestation_config(cfg: ExperimentConfig, site: str, workdir: Path,

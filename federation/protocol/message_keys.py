@@ -31,6 +31,7 @@ METRICS = "metrics"  # MetricRecord: the site's figures for the round's metrics 
 UPDATE = "update"  # ArrayRecord: the update, after the site's pipeline (codec, envelope)
 UPDATE_META = "update_meta"  # ConfigRecord: the update's metadata
 SECAGG_CHUNKS = "secagg_chunks"  # ArrayRecord: one packed uint8 Array per masked chunk, keyed by word offset
+MSG_COST = "msg_cost"  # MetricRecord: any reply: when its ClientApp process and handler ran (message_cost.py)
 
 # fields of STATUS
 MODEL_DIGEST = "model_digest"  # the model a site holds after a downlink message

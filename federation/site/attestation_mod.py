@@ -27,8 +27,6 @@ import time
 
 from flwr.app import ConfigRecord, Context, Message, MessageType
 
-from crypto.attestation import AttestationError, Evidence, appraise, create_attester, create_verifier
-from crypto.attestation.models import b64url, unb64url
 from crypto.pki.keys import raw_public
 from federation.config import SiteAttestation
 from federation.protocol import message_keys as keys
@@ -77,6 +75,11 @@ def attestation_mod(msg: Message, context: Context, call_next) -> Message:
 def respond(req: ConfigRecord, context: Context, env: SiteEnv) -> ConfigRecord:
     """The site's answer to an ATTEST record: the coordinator's evidence appraised, our evidence for
     its nonce. A failure is named in `error` (and `appraisal_error`), never raised."""
+    # crypto.attestation (JOSE, X.509) loads only for a message that carries ATTEST: every other
+    # message's fresh ClientApp process is spared its imports (protocol/message_cost.py)
+    from crypto.attestation import AttestationError
+    from crypto.attestation.models import unb64url
+
     out: dict = {}
     try:
         settings = env.attestation
@@ -103,6 +106,9 @@ def respond(req: ConfigRecord, context: Context, env: SiteEnv) -> ConfigRecord:
 
 
 def _evidence(context: Context, env: SiteEnv, settings: SiteAttestation, nonce: bytes, ttl_s: float) -> dict:
+    from crypto.attestation import create_attester
+    from crypto.attestation.models import b64url
+
     assert settings.attester is not None  # SiteAttestation validates it
     attester = create_attester(settings.attester.kind, env.site, settings.attester.config)
     evidence = attester.attest(nonce, raw_public(env.bundle.sign_key.public_key()))
@@ -118,6 +124,9 @@ def _evidence(context: Context, env: SiteEnv, settings: SiteAttestation, nonce: 
 
 def _appraise_coordinator(context: Context, env: SiteEnv, settings: SiteAttestation, evidence_json: str) -> float:
     """Appraise the coordinator's evidence for our outstanding nonce; until when it is trusted."""
+    from crypto.attestation import Evidence, appraise, create_verifier
+    from crypto.attestation.models import unb64url
+
     bundle = env.bundle
     state = _state(context)
     expected, expires = str(state.pop("nonce", "")), float(state.pop("nonce_expires", 0.0))

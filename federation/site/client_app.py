@@ -27,6 +27,8 @@ from __future__ import annotations
 import json
 import time
 
+_IMPORTS_START = time.perf_counter()  # our imports are paid by every message's fresh process (APP_IMPORT_S)
+
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
@@ -43,6 +45,8 @@ from federation.site.replies import fail, status
 from federation.site.secagg_mod import secagg_mod
 from federation.site.site_env import SiteEnv, SiteScope, TrainerFactory, site_env
 from federation.site.trainer_call import EvalResult, ServiceTrainer, TrainerFailed, TrainResult
+
+APP_IMPORT_S = time.perf_counter() - _IMPORTS_START  # reported per message (protocol/message_cost.py)
 
 
 def service_trainer(env: SiteEnv) -> ServiceTrainer:
@@ -124,7 +128,7 @@ def evaluate(msg: Message, context: Context) -> Message:
 def build_client_app(trainer_for: TrainerFactory = service_trainer) -> ClientApp:
     """The ClientApp with its mods, over the trainer `trainer_for` returns for a message's SiteEnv
     (the deployment's: the trainer service; simulations plug in their own)."""
-    app = ClientApp(mods=[SiteScope(trainer_for), bulk_mod])
+    app = ClientApp(mods=[SiteScope(trainer_for, APP_IMPORT_S), bulk_mod])
     app.query(mods=[attestation_mod, secagg_mod])(query)
     app.train(mods=[attestation_mod, secagg_mod, protection_mod, downlink_mod, codec_mod])(train)
     app.evaluate(mods=[downlink_mod])(evaluate)

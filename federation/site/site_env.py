@@ -25,6 +25,7 @@ from flwr.app import Context, Message
 
 from crypto.pki import SiteBundle
 from federation.config import SiteAttestation
+from federation.protocol import message_cost
 from federation.protocol import message_keys as keys
 from federation.protocol.pipeline import RoundContext
 from federation.protocol.round_config import RoundConfig
@@ -109,14 +110,18 @@ def load_attestation(context: Context) -> SiteAttestation | None:
 
 
 class SiteScope:
-    """The outermost mod: one SiteEnv per message for the mods inside, and the relay's own time
-    (`relay_s`) in the metrics of train and evaluate replies."""
+    """The outermost mod: one SiteEnv per message for the mods inside, the relay's own time
+    (`relay_s`) in the metrics of train and evaluate replies, and on every reply the wall-clock
+    stamps that split the message's seconds (protocol/message_cost.py; `app_import_s`: what loading
+    our app cost this process)."""
 
-    def __init__(self, trainer_for: TrainerFactory):
+    def __init__(self, trainer_for: TrainerFactory, app_import_s: float | None = None):
         self.trainer_for = trainer_for
+        self.app_import_s = app_import_s
 
     def __call__(self, msg: Message, context: Context, call_next) -> Message:
         """Handle `msg` with a fresh SiteEnv current."""
+        started = time.time()
         t0 = time.perf_counter()
         token = _CURRENT.set(SiteEnv(msg, context, self.trainer_for))
         try:
@@ -125,6 +130,8 @@ class SiteScope:
             _CURRENT.reset(token)
         if reply.has_content() and keys.METRICS in reply.content.metric_records:
             reply.content.metric_records[keys.METRICS]["relay_s"] = time.perf_counter() - t0
+        if reply.has_content():
+            message_cost.stamp(reply.content, started, time.time(), self.app_import_s)
         return reply
 
 
