@@ -122,7 +122,7 @@ def _port(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def run_flower(workdir: Path, model_dir: Path, links: list[ShapedLink], args) -> dict:
+def run_flower(workdir: Path, data: Path, model_dir: Path, links: list[ShapedLink], args) -> dict:
     """Flower's FedAvg; each SuperNode dials the SuperLink through its site's link."""
     wd = workdir / "flower"
     wd.mkdir(parents=True, exist_ok=True)
@@ -144,7 +144,7 @@ def run_flower(workdir: Path, model_dir: Path, links: list[ShapedLink], args) ->
         for i, n in enumerate(names):
             dial = f"127.0.0.1:{links[i].forward(('127.0.0.1', port))}"
             launcher.start_supernode(sup, SiteConfig(id=n, partition=i), dial, "unused", pki / "sites" / n,
-                                     extra_node_config={"data-dir": str(workdir / "data" / n), "partition-id": str(i)})
+                                     extra_node_config={"data-dir": str(data / n), "partition-id": str(i)})
         run_config = " ".join([
             f'model-dir="{model_dir}"', f"rounds={args.rounds}", f"sites={SITES}", f'out="{out}"',
             f"local-steps={args.local_steps}", f"lr={args.lr!r}", f"batch-size={args.batch}",
@@ -266,7 +266,7 @@ def main() -> int:
             wd = workdir / key.replace("/", "-")
             if not args.skip_flower:
                 t = time.monotonic()
-                entry["flower"] = run_flower(wd, model_dir, links, args)
+                entry["flower"] = run_flower(wd, workdir / "data", model_dir, links, args)
                 print(f"# flower {key}: run {time.monotonic() - t:.0f}s; curve {entry['flower']['curve']}", flush=True)
             if not args.skip_ours:
                 t = time.monotonic()

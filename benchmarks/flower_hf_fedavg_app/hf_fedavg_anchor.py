@@ -48,6 +48,9 @@ def _windows(model_dir: str, data_dir: str, split: str, seq_len: int) -> torch.T
             ids += tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     t = torch.tensor(ids, dtype=torch.long)
     n = max(0, (len(t) - 1) // seq_len)
+    if n == 0:
+        raise ValueError(f"data-dir {data_dir!r}: {len(t)} {split} token(s) under {split}/*.txt, fewer than seq-len + 1 "
+                         f"= {seq_len + 1}")
     return torch.stack([t[i * seq_len: i * seq_len + seq_len + 1] for i in range(n)])
 
 
