@@ -102,6 +102,7 @@ def our_config(path: Path, workdir: Path, model_dir: Path, args) -> Path:
             "codec": f"int8:clip={clip!r}",
             "round_target_s": args.round_target_s,
             "link": {"probe_seconds": 0.5, "max_local_steps": args.max_local_steps,
+                     "codecs": [c.format(clip=repr(clip)) for c in args.codecs.split(",")],
                      "min_local_steps": max(1, args.local_steps // 4)},
             "deadlines": {"connect_s": 300, "round_s": 1200, "evaluate_s": 600, "secagg_stage_s": 600,
                           "trainer_start_s": 600},
@@ -228,6 +229,9 @@ def main() -> int:
     ap.add_argument("--max-local-steps", type=int, default=200, help="ours: the most local steps a round is given")
     ap.add_argument("--lr", type=float, default=3e-4, help="inner AdamW learning rate (both)")
     ap.add_argument("--round-target-s", type=float, default=30.0, help="ours: federation.round_target_s")
+    ap.add_argument("--codecs", default="int8:clip={clip},randk:0.1+int8:clip={clip},randk:0.01+int8:clip={clip}",
+                    help="ours: the ladder round_target_s chooses from (link.codecs), least lossy first; {clip} is "
+                         "--secagg-clip. Dense is left out: the pseudo-gradients always travel compressed")
     ap.add_argument("--secagg-clip", type=float, default=0.05, help="ours: SecAgg+'s clip (and the int8 codecs')")
     ap.add_argument("--text-kb", type=int, default=90, help="kB of stdlib text per site (90%% train, 10%% val)")
     ap.add_argument("--seed", type=int, default=0)
