@@ -32,6 +32,13 @@ Needs root (network namespaces, tc). Not part of `make test`. The full run (abou
 
 A small one (this machine, 2 cores): --embd 128 --layers 2 --vocab 2048 --rounds 3 --links 100/30
 
+Measured on this 2-core machine (load ~25 from other jobs), the small run on one link, 0.85M
+parameters, 3 rounds, --local-steps 10 --round-target-s 45 --max-local-steps 100 --text-kb 60:
+    RESULT link=100/30 flower_s=273.1 ours_s=258.1 speedup=1.06 ours_bytes_up=16307307 flower_bytes_up=30718080
+(target 7.611, ours' final eval loss 6.638; at this size the links carry 3.4 MB models in well under
+a second, so both sides' time is the machine's: Flower's ClientApp process start and imports per
+message, our discovery/probe and fixed per-round cost of ~40 s). Not a figure for the issue's targets.
+
 The report: <workdir>/report.json (per link: both loss curves against wall-clock seconds, the
 targets, times, bytes, our round plans) and <workdir>/curves.csv. Last line per link:
     RESULT link=<rate>/<rtt> flower_s=<..> ours_s=<..> speedup=<flower/ours> ours_bytes_up=<..> flower_bytes_up=<..>
