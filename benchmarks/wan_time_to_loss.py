@@ -38,6 +38,8 @@ parameters, 3 rounds, --local-steps 10 --round-target-s 45 --max-local-steps 100
 (target 7.611, ours' final eval loss 6.638; at this size the links carry 3.4 MB models in well under
 a second, so both sides' time is the machine's: Flower's ClientApp process start and imports per
 message, our discovery/probe and fixed per-round cost of ~40 s). Not a figure for the issue's targets.
+A tiny run on the other link (0.15M parameters, 2 rounds, --local-steps 5 --text-kb 30):
+    RESULT link=1000/10 flower_s=97.5 ours_s=94.4 speedup=1.03 ours_bytes_up=1884930 flower_bytes_up=3562752
 
 The report: <workdir>/report.json (per link: both loss curves against wall-clock seconds, the
 targets, times, bytes, our round plans) and <workdir>/curves.csv. Last line per link:
