@@ -425,11 +425,13 @@ def result_line(result: dict) -> str:
 def simulate(config_path: str | Path, workdir: str | Path | None = None,
              progress: Callable[[str], None] = print, insecure: bool = False,
              tap: Callable[[str], str] | None = None,
-             node_config: dict[str, dict[str, str]] | None = None, resume: bool = False) -> dict:
+             node_config: dict[str, dict[str, str]] | None = None, resume: bool = False,
+             site_tap: Callable[[str, str], str] | None = None) -> dict:
     """Run a whole federation on loopback with real processes; returns the run's result.
 
     `tap` maps the SuperLink's address to the one the sites dial instead (a wire audit's
-    recording proxy); `node_config` adds per-site SuperNode settings (tests' hooks); `resume`
+    recording proxy); `site_tap(site, address)` does it per site, for the SuperLink's address and the
+    data path's (a shaped link per site: benchmarks/wan_time_to_loss.py); `node_config` adds per-site SuperNode settings (tests' hooks); `resume`
     continues the run in `workdir` from its last checkpoint (every process is started afresh)."""
     config_path = Path(config_path)
     cfg = load_config(config_path)
@@ -468,9 +470,12 @@ def simulate(config_path: str | Path, workdir: str | Path | None = None,
         wait_trainers(trainers, sockets, cfg.federation.deadlines.trainer_start_s, progress)
         dial = tap(f"127.0.0.1:{port}") if tap else f"127.0.0.1:{port}"
         for s in cfg.sites:
+            s_dial = site_tap(s.id, dial) if site_tap else dial
+            s_data = site_tap(s.id, data) if site_tap and data else data
             guard.watch_supernode(s.id, partial(
-                start_supernode, sup, s, dial, sockets[s.id], pki / "sites" / s.id, insecure,
-                {**site_att[s.id], **({"data-address": data} if data else {}), **(node_config or {}).get(s.id, {})}), dial, None if insecure else pki / "sites" / s.id)
+                start_supernode, sup, s, s_dial, sockets[s.id], pki / "sites" / s.id, insecure,
+                {**site_att[s.id], **({"data-address": s_data} if s_data else {}), **(node_config or {}).get(s.id, {})}),
+                s_dial, None if insecure else pki / "sites" / s.id)
         result = watch_run(sup, [superlink, run], run_deadline(cfg), progress, tick=guard.tick)
     finally:
         sup.close()

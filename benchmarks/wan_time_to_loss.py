@@ -1,0 +1,318 @@
+"""Time to loss across wide-area links: Flower's own FedAvg against ours, each site behind a shaped link.
+
+One run, side by side, per link (RATE/RTT, Mbit/s / ms; default 100/30 and 1000/10):
+  (a) Flower: `flwr run` of benchmarks/flower_hf_fedavg_app: flwr.serverapp.strategy.FedAvg as
+      shipped (train, then evaluate, every round) and a transformers ClientApp that fine-tunes the
+      model the way Flower's examples do (every weight, a fresh AdamW each round, `--local-steps`
+      steps of `--batch` sequences, every weight back as float32);
+  (b) ours: `sovfl simulate`'s code (launcher.simulate) on the hf-causal-lm task, full fine-tuning,
+      SecAgg+ on, `strategy: diloco` (outer Nesterov, lr 0.7, momentum 0.9), compressed
+      pseudo-gradients with error feedback, `overlap: true`, and `round_target_s` choosing each
+      round's codec and local steps from the link probe's figures (the sites start at `--local-steps`).
+Both: 3 sites (one rank each), the same Llama-style model built here from a config (random weights,
+`--embd`, `--layers`, a byte-level BPE tokenizer trained on stdlib text), the same per-site split of
+Python standard-library sources (train/ and val/ files per site), the same batch size, inner lr and
+starting local steps; both deployments are real (SuperLink, one SuperNode per site, TLS, SuperNode
+authentication). Each site's every connection to the coordinator (its SuperNode's to the SuperLink;
+ours: also its data path) goes through its own ShapedLink (benchmarks/shaped_link: namespaces, tbf,
+a delay line), checked with check(link) within 10% of nominal before use (the run stops otherwise).
+
+Target loss: the eval loss Flower's FedAvg reaches after its last round (the sites' validation text,
+weighted by sequences, on the global model). Time to it: wall-clock seconds from the moment the
+federation starts (Flower: the ServerApp calls strategy.start; ours: every site trainer is ready and
+the SuperNodes start) to the first evaluation at or below it (ours: the time its metrics line reached
+the progress log, polled every 0.5 s; the evaluation of round r's model is reported in round r+1's
+line, and the final one in the last). If ours never reaches it, ours_s is `inf`.
+Bytes up: Flower: the train replies' array bytes; ours: the metrics lines' bytes_up (everything
+the sites sent the coordinator in the rounds, record headers included), both summed over the run.
+
+Needs root (network namespaces, tc). Not part of `make test`. The full run (about 30M parameters):
+
+    sudo python benchmarks/wan_time_to_loss.py --embd 512 --layers 8 --vocab 8192 --rounds 10
+
+A small one (this machine, 2 cores): --embd 128 --layers 2 --vocab 2048 --rounds 3 --links 100/30
+
+Measured on this 2-core machine (load ~25 from other jobs), the small run on one link, 0.85M
+parameters, 3 rounds, --local-steps 10 --round-target-s 45 --max-local-steps 100 --text-kb 60:
+    RESULT link=100/30 flower_s=273.1 ours_s=258.1 speedup=1.06 ours_bytes_up=16307307 flower_bytes_up=30718080
+(target 7.611, ours' final eval loss 6.638; at this size the links carry 3.4 MB models in well under
+a second, so both sides' time is the machine's: Flower's ClientApp process start and imports per
+message, our discovery/probe and fixed per-round cost of ~40 s). Not a figure for the issue's targets.
+A tiny run on the other link (0.15M parameters, 2 rounds, --local-steps 5 --text-kb 30):
+    RESULT link=1000/10 flower_s=97.5 ours_s=94.4 speedup=1.03 ours_bytes_up=1884930 flower_bytes_up=3562752
+
+The report: <workdir>/report.json (per link: both loss curves against wall-clock seconds, the
+targets, times, bytes, our round plans) and <workdir>/curves.csv. Last line per link:
+    RESULT link=<rate>/<rtt> flower_s=<..> ours_s=<..> speedup=<flower/ours> ours_bytes_up=<..> flower_bytes_up=<..>
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from benchmarks.shaped_link import ShapedLink, available, check  # noqa: E402
+from crypto.pki import provision  # noqa: E402
+from federation.ops import launcher  # noqa: E402
+
+ANCHOR_APP = Path(__file__).parent / "flower_hf_fedavg_app"
+SITES = 3
+
+
+def build_inputs(workdir: Path, args) -> tuple[Path, int]:
+    """The model directory and each site's train/ and val/ text; the parameter count."""
+    import hf_models
+
+    heads = max(1, args.embd // 64)
+    model_dir = hf_models.tiny_llama(workdir / "model", hidden=args.embd, layers=args.layers, heads=heads,
+                                     kv_heads=heads, context=2 * args.seq_len, vocab_size=args.vocab)
+    from transformers import AutoModelForCausalLM
+
+    n_params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model_dir).parameters())
+    # each site its own region of the stdlib text: 8 train files and 1 validation file
+    per_site = args.text_kb * 1000
+    text = hf_models.stdlib_text(max_bytes=SITES * per_site + 1000)
+    if len(text) < SITES * per_site:
+        raise SystemExit(f"the stdlib text gives {len(text)} bytes, fewer than {SITES * per_site}; lower --text-kb")
+    for s in range(SITES):
+        chunk = text[s * per_site:(s + 1) * per_site]
+        cut = int(len(chunk) * 0.9)
+        train, val = chunk[:cut], chunk[cut:]
+        d = workdir / "data" / f"site{s}"
+        (d / "train").mkdir(parents=True, exist_ok=True)
+        (d / "val").mkdir(parents=True, exist_ok=True)
+        step = math.ceil(len(train) / 8)
+        for i in range(8):
+            (d / "train" / f"doc{i:02d}.txt").write_text(train[i * step:(i + 1) * step], encoding="utf-8")
+        (d / "val" / "val.txt").write_text(val, encoding="utf-8")
+    return model_dir, n_params
+
+
+def our_config(path: Path, workdir: Path, model_dir: Path, args) -> Path:
+    clip = args.secagg_clip
+    cfg = {
+        "federation": {
+            "name": "wan-time-to-loss", "rounds": args.ours_rounds or args.rounds, "quorum": SITES,
+            "update_kind": "delta", "evaluate": True, "seed": args.seed,
+            "strategy": "diloco", "overlap": True, "error_feedback": True,
+            "codec": f"int8:clip={clip!r}",
+            "round_target_s": args.round_target_s,
+            "link": {"probe_seconds": 0.5, "max_local_steps": args.max_local_steps,
+                     "codecs": [c.format(clip=repr(clip)) for c in args.codecs.split(",")],
+                     "min_local_steps": max(1, args.local_steps // 4)},
+            "deadlines": {"connect_s": 300, "round_s": 1200, "evaluate_s": 600, "secagg_stage_s": 600,
+                          "trainer_start_s": 600},
+            "secagg": {"enabled": True, "threshold": 2, "clip": clip},
+        },
+        "workload": {"task": "hf-causal-lm", "options": {
+            "model_dir": str(model_dir), "data": str(workdir / "data" / "{site}" / "train" / "*.txt"),
+            "val_data": str(workdir / "data" / "{site}" / "val" / "*.txt"), "seq_len": args.seq_len, "lora": None}},
+        "sites": [{"id": f"site{i}", "ranks": 1, "partition": i, "local_steps": args.local_steps,
+                   "batch_size": args.batch, "lr": args.lr, "optimizer": "adamw"} for i in range(SITES)],
+    }
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host, int(port)
+
+
+def run_flower(workdir: Path, data: Path, model_dir: Path, links: list[ShapedLink], args) -> dict:
+    """Flower's FedAvg; each SuperNode dials the SuperLink through its site's link."""
+    wd = workdir / "flower"
+    wd.mkdir(parents=True, exist_ok=True)
+    names = [f"site{i}" for i in range(SITES)]
+    pki = wd / "pki"
+    provision(pki, names, hosts=("127.0.0.1", "localhost"))
+    coord = pki / "coordinator"
+    out = wd / "flower_rounds.json"
+    out.unlink(missing_ok=True)
+    from federation.config.schema import SiteConfig
+
+    sup = launcher.Supervisor(wd)
+    try:
+        port = launcher.free_port()
+        link = launcher.start_superlink(sup, port, bundle=coord, database=False)
+        launcher.wait_port(link, port)
+        launcher.write_flwr_connection(sup, f"127.0.0.1:{port}", coord / "ca.crt")
+        launcher.register_supernodes(sup, {n: pki / "sites" / n / "supernode_auth.pub" for n in names})
+        for i, n in enumerate(names):
+            dial = f"127.0.0.1:{links[i].forward(('127.0.0.1', port))}"
+            launcher.start_supernode(sup, SiteConfig(id=n, partition=i), dial, "unused", pki / "sites" / n,
+                                     extra_node_config={"data-dir": str(data / n), "partition-id": str(i)})
+        run_config = " ".join([
+            f'model-dir="{model_dir}"', f"rounds={args.rounds}", f"sites={SITES}", f'out="{out}"',
+            f"local-steps={args.local_steps}", f"lr={args.lr!r}", f"batch-size={args.batch}",
+            f"seq-len={args.seq_len}", f"seed={args.seed}", "timeout=1200"])
+        run = sup.start("flwr-run", [launcher._bin("flwr"), "run", str(ANCHOR_APP), "sovfl", "--run-config",
+                                     run_config, "--stream"], {"OMP_NUM_THREADS": "1"})
+        end = time.monotonic() + 300 + args.rounds * 2400
+        while not out.exists():
+            if time.monotonic() > end:
+                raise launcher.LaunchError(f"Flower's FedAvg did not finish; see {run.log}:\n{launcher.tail(run.log)}")
+            if not link.alive():
+                raise launcher.LaunchError(f"the SuperLink died; see {link.log}")
+            if not run.alive() and not out.exists():
+                time.sleep(2)
+                if not out.exists():
+                    raise launcher.LaunchError(f"flwr run ended without a result; see {run.log}:\n{launcher.tail(run.log)}")
+            time.sleep(0.5)
+        time.sleep(0.2)
+        res = json.loads(out.read_text())
+    finally:
+        sup.close()
+    t0 = res["start"]
+    curve = [(r["time"] - t0, r["eval_loss"]) for _, r in sorted(res["rounds"].items(), key=lambda kv: int(kv[0]))
+             if r.get("eval_loss") is not None]
+    return {"curve": curve, "bytes_up": sum(r["bytes_up"] for r in res["rounds"].values()), "rounds": res["rounds"]}
+
+
+def run_ours(workdir: Path, config: Path, links: list[ShapedLink]) -> dict:
+    """Our federation; each site's SuperNode and data path through its site's link."""
+    seen: list[tuple[float, str]] = []
+    index = {f"site{i}": links[i] for i in range(SITES)}
+
+    def progress(line: str) -> None:
+        seen.append((time.time(), line))
+        print(f"  [ours] {line}", flush=True)
+
+    def tap(site: str, address: str) -> str:
+        return f"127.0.0.1:{index[site].forward(_port(address))}"
+
+    result = launcher.simulate(config, workdir / "ours", progress=progress, site_tap=tap)
+    ready = [t for t, line in seen if "trainer ready" in line]
+    t0 = max(ready) if ready else seen[0][0]
+    lines = [json.loads(x) for x in (workdir / "ours" / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    # when each round's line reached the progress log: the driver's `round N ...` summary line
+    done: dict[int, float] = {}
+    for t, line in seen:
+        for m in lines:
+            if m["round"] not in done and line.startswith(f"round {m['round']}/"):
+                done[m["round"]] = t
+    curve = []
+    for m in lines:
+        t = done.get(m["round"])
+        if t is None:
+            continue
+        if "eval_loss" in m:
+            curve.append((t - t0, m["eval_loss"], m["eval_model_round"]))
+        if "final_eval_loss" in m:
+            curve.append((t - t0, m["final_eval_loss"], m["round"]))
+    plans = [m.get("round_plan") for m in lines]
+    return {"curve": [(t, loss) for t, loss, _ in curve], "curve_rounds": [r for *_, r in curve],
+            "bytes_up": sum(m.get("bytes_up", 0) for m in lines), "round_plans": plans,
+            "links": lines[0].get("links") if lines else None, "result": result,
+            "idle_fraction": [{k: v.get("idle_fraction") for k, v in m.get("sites", {}).items()} for m in lines]}
+
+
+def time_to(curve: list[tuple[float, float]], target: float) -> float:
+    return next((t for t, loss in curve if loss <= target + 1e-9), math.inf)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--links", default="100/30,1000/10", help="RATE/RTT,... (Mbit/s / ms)")
+    ap.add_argument("--rounds", type=int, default=10, help="Flower's rounds (its last round's loss is the target)")
+    ap.add_argument("--ours-rounds", type=int, default=0, help="our rounds at most (default: --rounds)")
+    ap.add_argument("--embd", type=int, default=512, help="hidden size (512 with 8 layers, vocab 8192: ~30M parameters)")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--local-steps", type=int, default=20, help="local steps per round (ours: round 1's; then chosen)")
+    ap.add_argument("--max-local-steps", type=int, default=200, help="ours: the most local steps a round is given")
+    ap.add_argument("--lr", type=float, default=3e-4, help="inner AdamW learning rate (both)")
+    ap.add_argument("--round-target-s", type=float, default=30.0, help="ours: federation.round_target_s")
+    ap.add_argument("--codecs", default="int8:clip={clip},randk:0.1+int8:clip={clip},randk:0.01+int8:clip={clip}",
+                    help="ours: the ladder round_target_s chooses from (link.codecs), least lossy first; {clip} is "
+                         "--secagg-clip. Dense is left out: the pseudo-gradients always travel compressed")
+    ap.add_argument("--secagg-clip", type=float, default=0.05, help="ours: SecAgg+'s clip (and the int8 codecs')")
+    ap.add_argument("--text-kb", type=int, default=90, help="kB of stdlib text per site (90%% train, 10%% val)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip-flower", action="store_true", help="ours only (no target: ours_s is the last round's time)")
+    ap.add_argument("--skip-ours", action="store_true")
+    ap.add_argument("--workdir", type=Path, default=None)
+    args = ap.parse_args()
+    why = available()
+    if why:
+        print(f"cannot run: {why}")
+        return 2
+    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    workdir = (args.workdir or Path(tempfile.mkdtemp(prefix="wan-ttl-"))).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    model_dir, n_params = build_inputs(workdir, args)
+    print(f"# {SITES} sites, Llama-style model {n_params:,} parameters ({4 * n_params / 1e6:.1f} MB float32), "
+          f"full fine-tuning; workdir {workdir}", flush=True)
+    report: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "parameters": n_params, "links": {}}
+    results = []
+    for spec in args.links.split(","):
+        rate, rtt = (float(x) for x in spec.split("/"))
+        key = f"{rate:g}/{rtt:g}"
+        with contextlib.ExitStack() as stack:
+            links = [stack.enter_context(ShapedLink(rate, rtt)) for _ in range(SITES)]
+            checks = []
+            for i, ln in enumerate(links):
+                m = check(ln)
+                off = m.within(rate, rtt)
+                print(f"# link {key} site{i}: up {m.up_mbit:.1f} down {m.down_mbit:.1f} Mbit/s RTT {m.rtt_ms:.1f} ms"
+                      f"{' OFF: ' + '; '.join(off) if off else ''}", flush=True)
+                if off:
+                    print(f"cannot run: link {key} site{i} is not as asked: {'; '.join(off)}")
+                    return 3
+                checks.append(vars(m))
+            entry: dict = {"checks": checks}
+            wd = workdir / key.replace("/", "-")
+            if not args.skip_flower:
+                t = time.monotonic()
+                entry["flower"] = run_flower(wd, workdir / "data", model_dir, links, args)
+                print(f"# flower {key}: run {time.monotonic() - t:.0f}s; curve {entry['flower']['curve']}", flush=True)
+            if not args.skip_ours:
+                t = time.monotonic()
+                wd.mkdir(parents=True, exist_ok=True)
+                entry["ours"] = run_ours(wd, our_config(wd / "ours.yaml", workdir, model_dir, args), links)
+                print(f"# ours {key}: run {time.monotonic() - t:.0f}s; curve {entry['ours']['curve']}", flush=True)
+        fl, ours = entry.get("flower"), entry.get("ours")
+        target = fl["curve"][-1][1] if fl and fl["curve"] else None
+        flower_s = fl["curve"][-1][0] if fl and fl["curve"] else math.nan
+        if ours and ours["curve"]:
+            ours_s = time_to(ours["curve"], target) if target is not None else ours["curve"][-1][0]
+        else:
+            ours_s = math.nan
+        entry.update(target_loss=target, flower_s=flower_s, ours_s=ours_s,
+                     ours_final_loss=ours["curve"][-1][1] if ours and ours["curve"] else None)
+        report["links"][key] = entry
+        speedup = flower_s / ours_s if ours_s and not math.isnan(ours_s) else math.nan
+        results.append(f"RESULT link={key} flower_s={flower_s:.1f} ours_s={ours_s:.1f} speedup={speedup:.2f} "
+                       f"ours_bytes_up={ours['bytes_up'] if ours else 0} flower_bytes_up={fl['bytes_up'] if fl else 0}")
+        print(f"# {key}: target loss {target} (Flower's last round); ours final loss {entry['ours_final_loss']}",
+              flush=True)
+        (workdir / "report.json").write_text(json.dumps(report, indent=1, default=str))
+    with open(workdir / "curves.csv", "w") as f:
+        f.write("link,system,seconds,eval_loss\n")
+        for key, entry in report["links"].items():
+            for system in ("flower", "ours"):
+                for t, loss in (entry.get(system) or {}).get("curve", []):
+                    f.write(f"{key},{system},{t:.2f},{loss:.6f}\n")
+    print(f"# report: {workdir / 'report.json'}, curves: {workdir / 'curves.csv'}")
+    for line in results:
+        print(line, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
