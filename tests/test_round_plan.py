@@ -136,6 +136,9 @@ def test_the_planner_reads_step_times_and_sizes_from_the_history():
          "round_plan": {"codec": "topk:0.1+int8", "local_steps": 50}},
     ]
     assert planner.step_times(history) == {"a": pytest.approx(0.2), "b": pytest.approx(0.06)}
+    # federation.overlap: 45 of b's 50 steps ran in the background (2.7 s) before the request came
+    history[1]["sites"]["b"].update(seconds=0.3, background_s=2.7, background_steps=45)
+    assert planner.step_times(history)["b"] == pytest.approx(0.06)
     sizes, down = planner.sizes(history, 10_000_000)
     assert sizes["int8"] == 9.5e6 and down == 30e6  # what was really sent
     assert sizes["float32"] == wire_bytes("float32", 10_000_000)  # never sent: estimated

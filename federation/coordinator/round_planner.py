@@ -1,7 +1,8 @@
 """The driver's use of round_plan.choose: the figures it needs, gathered from the run.
 
 Per round: the link figures of the round's sites (link_book.py), each site's seconds per local
-step from its latest line in the metrics history (its trainer's `train_s` over the steps it
+step from its latest line in the metrics history (its trainer's `train_s`, plus the background
+seconds under federation.overlap, over the steps it
 reports having run, else those it was given, else its own `local_steps`), the bytes of an update under each codec
 (what that codec really sent in an earlier round, else round_plan.wire_bytes) and the model's
 bytes down (what the last round's sites received on the data path, else the dense model), and
@@ -40,6 +41,10 @@ class RoundPlanner:
                 took = m.get("seconds") or m.get("train_call_s")
                 n = m.get("local_steps") or steps or self.own_steps.get(site)  # what it says it ran, else what it was told
                 if isinstance(took, (int, float)) and took > 0 and n:
+                    # federation.overlap: some of the round's n steps ran in the background, before the request
+                    background = m.get("background_s")
+                    if isinstance(background, (int, float)) and background > 0:
+                        took += background
                     out[site] = float(took) / n
         return out
 
