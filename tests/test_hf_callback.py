@@ -18,7 +18,8 @@ import pytest
 from conftest import ROOT
 from federation.ops.launcher import Supervisor, wait_trainers
 from hf_models import tiny_llama
-from site_trainer import endpoint, handoff, workloads
+from trainer_calls import call, update_of
+from site_trainer import endpoint, workloads
 from site_trainer.config import SiteConfig, TrainerConfig, WorkloadConfig
 
 pytestmark = pytest.mark.slow(seconds=90)
@@ -66,20 +67,8 @@ def service(tmp_path_factory, request):
         sup.close()
 
 
-def call(cfg, method: str, arrays, **extra) -> dict:
-    h = handoff.write_arrays(arrays, "test")
-    try:
-        return endpoint.call(cfg.socket, method, {"global": h.to_json(), "timeout_s": 120, **extra}, timeout_s=120)
-    finally:
-        handoff.release(h.path)
 
 
-def update(reply) -> dict[str, np.ndarray]:
-    upd = handoff.Handle.from_json(reply["update"])
-    try:
-        return {k: np.array(v) for k, v in handoff.map_arrays(upd).items()}
-    finally:
-        handoff.release(upd.path)
 
 
 def test_trainer_script_site_serves_rounds_and_stops(service):
@@ -94,7 +83,7 @@ def test_trainer_script_site_serves_rounds_and_stops(service):
     far = {k: (v + rng.normal(0, 0.5, v.shape)).astype(v.dtype) for k, v in initial.items()}
     r1 = call(cfg, "Train", far, round=1, config={"update_kind": "weights"})
     assert r1["ok"], r1
-    w1 = update(r1)
+    w1 = update_of(r1)
     assert set(w1) == set(far) and all(".lora_" in k for k in w1)
     moved = max(np.abs(w1[k] - far[k]).max() for k in far)
     assert 0 < moved < 0.1  # trained from the global it was sent (far is 0.5 away from the initial)
@@ -110,7 +99,7 @@ def test_trainer_script_site_serves_rounds_and_stops(service):
     r2 = call(cfg, "Train", w1, round=2, config={"local_steps": 2})
     assert r2["ok"], r2
     assert r2["metrics"]["steps"] == 2 and r2["metrics"]["global_step"] == LOCAL_STEPS + 2
-    delta = update(r2)
+    delta = update_of(r2)
     assert 0 < max(np.abs(d).max() for d in delta.values()) < 0.1
 
     assert endpoint.call(cfg.socket, "Stop", {}, timeout_s=10)["stopping"]

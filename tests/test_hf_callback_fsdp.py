@@ -23,7 +23,8 @@ import torch
 
 from conftest import ROOT
 from hf_models import tiny_llama
-from site_trainer import endpoint, handoff, workloads
+from trainer_calls import call, update_of
+from site_trainer import endpoint, workloads
 from site_trainer.config import SiteConfig, TrainerConfig, WorkloadConfig
 
 pytestmark = pytest.mark.slow(seconds=60)
@@ -43,20 +44,8 @@ def compliance_data():
     return module
 
 
-def call(cfg, method: str, arrays, **extra) -> dict:
-    h = handoff.write_arrays(arrays, "test")
-    try:
-        return endpoint.call(cfg.socket, method, {"global": h.to_json(), "timeout_s": 120, **extra}, timeout_s=120)
-    finally:
-        handoff.release(h.path)
 
 
-def arrays_of(reply) -> dict[str, np.ndarray]:
-    upd = handoff.Handle.from_json(reply["update"])
-    try:
-        return {k: np.array(v) for k, v in handoff.map_arrays(upd).items()}
-    finally:
-        handoff.release(upd.path)
 
 
 def test_trainer_fsdp_request_through_the_callback(tmp_path):
@@ -92,7 +81,7 @@ def test_trainer_fsdp_request_through_the_callback(tmp_path):
         far = {k: (v + rng.normal(0, 0.5, v.shape)).astype(v.dtype) for k, v in initial.items()}
         r1 = call(cfg, "Train", far, round=1, config={"update_kind": "weights"})
         assert r1["ok"], r1
-        w1 = arrays_of(r1)
+        w1 = update_of(r1)
         assert set(w1) == set(far) and all(w1[k].shape == far[k].shape for k in far)  # whole tensors, not shards
         assert 0 < max(np.abs(w1[k] - far[k]).max() for k in far) < 0.1  # trained from the global it was sent
         assert len(set(r1["rank_digests"])) == 1 and r1["metrics"]["steps"] == 2

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from federation.ops.launcher import Supervisor, wait_trainers
-from site_trainer import endpoint, handoff, workloads
+from trainer_calls import call, update_of
+from site_trainer import endpoint, workloads
 from site_trainer.config import SiteConfig, TrainerConfig, WorkloadConfig
 
 
@@ -31,27 +32,14 @@ def service(tmp_path_factory):
         sup.close()
 
 
-def _call(cfg, method, arrays, **extra):
-    h = handoff.write_arrays(arrays, "test")
-    try:
-        return endpoint.call(cfg.socket, method, {"global": h.to_json(), "timeout_s": 60, **extra}, timeout_s=60)
-    finally:
-        handoff.release(h.path)
 
 
-def _update(reply) -> dict[str, np.ndarray]:
-    """The update a Train reply handed off, copied out of its file (which is then released)."""
-    upd = handoff.Handle.from_json(reply["update"])
-    try:
-        return {k: np.array(v) for k, v in handoff.map_arrays(upd).items()}
-    finally:
-        handoff.release(upd.path)
 
 
 def test_train_returns_a_real_delta_and_ranks_agree(service):
     cfg, init, _ = service
-    reply = _call(cfg, "Train", init, round=1, config={"update_kind": "delta"})
-    delta = _update(reply)
+    reply = call(cfg, "Train", init, round=1, config={"update_kind": "delta"}, timeout_s=60)
+    delta = update_of(reply)
     assert set(delta) == set(init)
     assert all(float(np.abs(d).max()) > 0 for d in delta.values())  # every tensor moved
     assert len(reply["rank_digests"]) == 2 and len(set(reply["rank_digests"])) == 1
@@ -62,7 +50,7 @@ def test_train_returns_a_real_delta_and_ranks_agree(service):
 
 def test_weights_update_kind_returns_trained_weights(service):
     cfg, init, _ = service
-    w = _update(_call(cfg, "Train", init, round=2, config={"update_kind": "weights"}))
+    w = update_of(call(cfg, "Train", init, round=2, config={"update_kind": "weights"}, timeout_s=60))
     assert any(not np.allclose(w[k], init[k]) for k in init)
     # weights, not a delta: a few small steps leave them near where they started, whereas a delta
     # (near zero) would be about the whole model away from the global weights
@@ -80,8 +68,8 @@ def test_weights_update_kind_returns_trained_weights(service):
 def test_bad_global_model_is_refused_and_service_survives(service, mutate, needle):
     cfg, init, _ = service
     with pytest.raises(endpoint.TrainerError, match=needle):
-        _call(cfg, "Train", mutate(init), round=3)
-    assert _call(cfg, "Evaluate", init)["ok"]  # still serving
+        call(cfg, "Train", mutate(init), round=3, timeout_s=60)
+    assert call(cfg, "Evaluate", init, timeout_s=60)["ok"]  # still serving
 
 
 def test_info_reports_the_manifest_the_coordinator_expects(service):
@@ -96,7 +84,7 @@ def test_stop_ends_every_rank_cleanly(service):
     """Last in this module: Stop (like SIGTERM) ends the loop on every rank between rounds; the
     trainer exits 0 and leaves neither its socket nor hand-off files behind."""
     cfg, init, proc = service
-    left = Path(_call(cfg, "Train", init, round=9)["update"]["path"])  # the trainer releases it later
+    left = Path(call(cfg, "Train", init, round=9, timeout_s=60)["update"]["path"])  # the trainer releases it later
     assert left.exists()
     assert endpoint.call(cfg.socket, "Stop", {}, timeout_s=10)["stopping"]
     assert proc.popen.wait(timeout=60) == 0
