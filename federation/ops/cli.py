@@ -11,7 +11,7 @@ from pathlib import Path
 
 from crypto.pki import CoordinatorBundle, provision
 from federation.config.schema import ConfigError, load_config
-from federation.ops import export_cmd, launcher, report_cmd, run_dir, scrub_cmd, site_supervisor
+from federation.ops import export_cmd, health_cmd, launcher, report_cmd, run_dir, scrub_cmd, site_supervisor
 from site_trainer.launch import (RendezvousUnreachable, check_node_rank, fresh_rdzv_id, publish_rdzv_id,
                                  read_rdzv_id, wait_for_rendezvous)
 
@@ -81,7 +81,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         launcher.wait_port(link, args.port)
         launcher.write_flwr_connection(sup, f"127.0.0.1:{args.port}", None if args.insecure else bundle / "ca.crt")
         if not args.insecure:
-            keys = {site: Path(p) for site, p in _site_auth_keys(bundle, [s.id for s in cfg.sites]).items()}
+            keys = {site: Path(p) for site, p in _site_auth_keys(bundle, [s.id for s in cfg.sites], workdir).items()}
             launcher.register_supernodes(sup, keys)
         print(f"SuperLink on {args.host}:{args.port}; waiting for {len(cfg.sites)} site(s)")
         data_port = args.port + 1 if args.data_port is None else args.data_port
@@ -98,8 +98,9 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     return 0 if result.get("status") == "ok" else 1
 
 
-def _site_auth_keys(bundle: Path, sites: list[str]) -> dict[str, Path]:
-    """The SuperNode public keys the coordinator admits, written from its provisioned registry."""
+def _site_auth_keys(bundle: Path, sites: list[str], workdir: Path) -> dict[str, Path]:
+    """The SuperNode public keys the coordinator admits, written from its provisioned registry into
+    the workdir (the bundle may be a read-only mount: a container's or Kubernetes' secret)."""
     keys = CoordinatorBundle.load(bundle).supernode_public_keys()
     missing = sorted(set(sites) - set(keys))
     if missing:
@@ -107,7 +108,7 @@ def _site_auth_keys(bundle: Path, sites: list[str]) -> dict[str, Path]:
                           "re-run `sovfl provision` with those --site names")
     out = {}
     for site in sites:
-        path = bundle / f"supernode-{site}.pub"
+        path = workdir / f"supernode-{site}.pub"
         path.write_text(keys[site] + "\n")
         out[site] = path
     return out
@@ -227,7 +228,8 @@ def _command(sub, name: str, help: str, fn, workdir_help: str) -> argparse.Argum
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The `sovfl` argument parser (validate, simulate, provision, coordinator, site, scrub, export)."""
+    """The `sovfl` argument parser (validate, simulate, provision, coordinator, site, scrub, export, report,
+    health)."""
     p = argparse.ArgumentParser(prog="sovfl", description="Federated learning for sovereign clouds.")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -243,7 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     pv.add_argument("--site", action="append", required=True, help="a site name (repeat for each site)")
     pv.add_argument("--coordinator", default="coordinator", help="the coordinator's name")
     pv.add_argument("--host", action="append", default=None,
-                    help="a DNS name or IP the sites use to reach the coordinator (repeatable)")
+                    help="a DNS name or IP the sites use to reach the coordinator (repeatable; 127.0.0.1 and "
+                         "localhost are always added: the coordinator's own tools use them)")
     pv.add_argument("--rotate", action="append", default=[], help="re-issue this party's keys (repeatable)")
     pv.set_defaults(fn=cmd_provision)
 
@@ -274,14 +277,17 @@ def build_parser() -> argparse.ArgumentParser:
     scrub_cmd.add_parser(sub)
     export_cmd.add_parser(sub)
     report_cmd.register(sub)
+    health_cmd.add_parser(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     """The `sovfl` entry point; the exit code says how it went (2: bad configuration)."""
     args = build_parser().parse_args(argv)
-    if getattr(args, "command", None) == "provision" and args.host is None:
-        args.host = ["127.0.0.1", "localhost"]
+    if getattr(args, "command", None) == "provision":
+        # the coordinator's own processes (`flwr` registering keys, submitting the run) reach its
+        # SuperLink on loopback: its certificate names loopback beside the hosts the sites use
+        args.host = list(dict.fromkeys([*(args.host or []), "127.0.0.1", "localhost"]))
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         return args.fn(args)
