@@ -1,11 +1,94 @@
-"""The deployment pieces that need no container runtime: `sovfl health` against real sockets."""
+"""The deployment pieces that need no container runtime or cluster: Slurm's host lists and
+allocation variables (federation/ops/slurm.py), the sbatch script, `sovfl health` against real
+sockets."""
 
 from __future__ import annotations
 
+import re
 import socket
+import subprocess
 
-from conftest import sovfl
+import pytest
+
+from conftest import sovfl, write_config
+from federation.config.schema import ConfigError, load_config
+from federation.ops import slurm
 from federation.ops.health_cmd import tcp_accepts, unix_accepts
+
+
+@pytest.mark.parametrize("spec,hosts", [
+    ("n1", ["n1"]),
+    ("n[1-2]", ["n1", "n2"]),
+    ("gpu[01-03,07],login1", ["gpu01", "gpu02", "gpu03", "gpu07", "login1"]),
+    ("r[1-2]-n[09-10]", ["r1-n09", "r1-n10", "r2-n09", "r2-n10"]),
+    ("a,b[3],c", ["a", "b3", "c"]),
+])
+def test_hostlist_expands_like_scontrol(spec, hosts):
+    assert slurm.expand_hostlist(spec) == hosts
+
+
+@pytest.mark.parametrize("spec", ["n[1-2", "n1-2]", "n[2-1]", "n[a-b]", "a,,b", "n[[1]]"])
+def test_bad_hostlist_is_refused(spec):
+    with pytest.raises(ValueError, match="bad Slurm host"):
+        slurm.expand_hostlist(spec)
+
+
+def _env(**kw):
+    return {"SLURM_JOB_ID": "42", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_NUM_NODES": "2", **kw}
+
+
+def test_node_from_env():
+    node = slurm.node_from_env(_env())
+    assert node == slurm.SlurmNode("42", 1, ("gpu07", "gpu08"))
+
+
+@pytest.mark.parametrize("env,needle", [
+    ({"SLURM_NODEID": ""}, "SLURM_NODEID not set"),
+    ({"SLURM_JOB_NUM_NODES": "3"}, "do not describe a 3-node allocation"),
+    ({"SLURM_NODEID": "2"}, "SLURM_NODEID 2"),
+    ({"SLURM_JOB_NODELIST": "gpu[07-"}, "bad Slurm host list"),
+])
+def test_node_from_env_refuses_what_is_not_an_allocation(env, needle):
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        slurm.node_from_env(_env(**env))
+
+
+@pytest.fixture
+def two_node_config(tmp_path):
+    sites = [{"id": "hpc", "ranks": 4, "nnodes": 2, "rdzv_endpoint": "node0:29400", "partition": 0},
+             {"id": "solo", "ranks": 1, "partition": 1}]
+    return write_config(tmp_path / "c.yaml", {"workload": {"task": "digits"}, "sites": sites})
+
+
+def test_place_site_puts_the_rendezvous_on_node_zero(two_node_config, monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")  # no scontrol: node 0's name is its address
+    cfg = load_config(two_node_config)
+    site = slurm.place_site(cfg, "hpc", slurm.SlurmNode("7", 1, ("gpu07", "gpu08")))
+    assert site.rdzv_endpoint == "gpu07:29400" and cfg.sites[0] is site  # what the trainer pool is started with
+    with pytest.raises(ConfigError, match="has nnodes: 2, the allocation .* has 3 node"):
+        slurm.place_site(cfg, "hpc", slurm.SlurmNode("7", 0, ("a", "b", "c")))
+
+
+def test_sbatch_script(two_node_config):
+    site = load_config(two_node_config).sites[0]
+    text = slurm.sbatch_script("/c.yaml", site, "coord:9092", "/pki", "/shared/run", sovfl="/opt/sovfl/bin/sovfl",
+                               partition="gpu", gpus_per_node=4, time_limit="12:00:00")
+    assert text.startswith("#!/bin/bash\n")
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=4",
+                 "#SBATCH --partition=gpu", "#SBATCH --time=12:00:00", "#SBATCH --output=/shared/run/slurm-%j.out"):
+        assert line in text.splitlines()
+    assert text.splitlines()[-1] == ("exec srun --ntasks-per-node=1 --kill-on-bad-exit=1 /opt/sovfl/bin/sovfl site "
+                                     "/c.yaml --slurm --site hpc --superlink coord:9092 --bundle /pki --workdir /shared/run")
+    check = subprocess.run(["bash", "-n"], input=text, text=True, capture_output=True)
+    assert check.returncode == 0, check.stderr
+
+
+def test_site_slurm_outside_an_allocation_is_refused(two_node_config, tmp_path):
+    env = {k: "" for k in slurm.ENV}
+    proc = sovfl("site", str(two_node_config), "--site", "hpc", "--slurm", "--workdir", str(tmp_path / "w"),
+                 env=env, timeout=60)
+    assert proc.returncode == 2 and "inside an allocation" in proc.stderr, proc.stderr
+    assert not (tmp_path / "w").exists()
 
 
 def test_health_checks_real_sockets(tmp_path):

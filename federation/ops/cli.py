@@ -11,7 +11,8 @@ from pathlib import Path
 
 from crypto.pki import CoordinatorBundle, provision
 from federation.config.schema import ConfigError, load_config
-from federation.ops import export_cmd, health_cmd, launcher, report_cmd, run_dir, scrub_cmd, site_supervisor
+from federation.ops import (export_cmd, health_cmd, launcher, report_cmd, run_dir, scrub_cmd, site_supervisor,
+                            slurm)
 from site_trainer.launch import (RendezvousUnreachable, check_node_rank, fresh_rdzv_id, publish_rdzv_id,
                                  read_rdzv_id, wait_for_rendezvous)
 
@@ -120,6 +121,11 @@ def cmd_site(args: argparse.Namespace) -> int:
     site = next((s for s in cfg.sites if s.id == args.site), None)
     if site is None:
         raise ConfigError(f"{args.config}: no site '{args.site}'; known: {[s.id for s in cfg.sites]}")
+    if args.slurm:  # this node's rank and node 0's rendezvous address from the allocation (ops/slurm.py)
+        node = slurm.node_from_env()
+        site, args.node_rank = slurm.place_site(cfg, site.id, node), node.node_id
+        print(f"site {site.id}: Slurm job {node.job_id}, node {node.node_id} of {len(node.hosts)} "
+              f"({node.hosts[node.node_id]}); rendezvous at {site.rdzv_endpoint}")
     try:
         check_node_rank(site, args.node_rank)
     except ValueError as err:
@@ -229,7 +235,7 @@ def _command(sub, name: str, help: str, fn, workdir_help: str) -> argparse.Argum
 
 def build_parser() -> argparse.ArgumentParser:
     """The `sovfl` argument parser (validate, simulate, provision, coordinator, site, scrub, export, report,
-    health)."""
+    health, slurm-script)."""
     p = argparse.ArgumentParser(prog="sovfl", description="Federated learning for sovereign clouds.")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -271,6 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--node-rank", type=int, default=0,
                    help="multi-node sites: this node's index; 0 runs rank 0's endpoint and the SuperNode, "
                         "1..nnodes-1 run only their ranks and join node 0's rendezvous")
+    t.add_argument("--slurm", action="store_true",
+                   help="inside a Slurm allocation (srun, one task per node): --node-rank from SLURM_NODEID, the "
+                        "rendezvous host from node 0 of SLURM_JOB_NODELIST (see `sovfl slurm-script`)")
     t.add_argument("--rdzv-timeout", type=float,
                    help="nodes >= 1: seconds to wait for node 0's rendezvous endpoint and for the nodes to "
                         "join (default: deadlines.trainer_start_s)")
@@ -278,6 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     export_cmd.add_parser(sub)
     report_cmd.register(sub)
     health_cmd.add_parser(sub)
+    slurm.add_parser(sub)
     return p
 
 
