@@ -45,7 +45,8 @@ SITES = ("paris", "berlin")
 @pytest.fixture(scope="module")
 def podman_env(tmp_path_factory):
     need_packages({"podman": "podman", "buildah": "buildah", "runc": "runc", "debootstrap": "debootstrap",
-                   "/usr/libexec/podman/catatonit": "catatonit", "/usr/lib/podman/aardvark-dns": "aardvark-dns"})
+                   "/usr/libexec/podman/catatonit": "catatonit", "/usr/lib/podman/netavark": "netavark",
+                   "/usr/lib/podman/aardvark-dns": "aardvark-dns"})  # netavark + aardvark: names on a network
     conf = tmp_path_factory.mktemp("podman") / "containers.conf"
     conf.write_text(CONTAINERS_CONF)
     return {**os.environ, "CONTAINERS_CONF": str(conf), "BUILDAH_EXTRA": BUILD_EXTRA}
@@ -87,7 +88,7 @@ def test_images_are_cpu_non_root_and_offline_ready(images, podman_env):
         config = data["Config"]
         assert config["Entrypoint"] == ["sovfl"] and config["User"].startswith(str(UID))
         health = data.get("Healthcheck") or config.get("Healthcheck")  # kept by --format docker
-        assert health and "sovfl health" in " ".join(health["Test"]), (sorted(data), sorted(config))
+        assert health and "-m federation.ops.health_cmd" in " ".join(health["Test"]), (sorted(data), sorted(config))
     assert size < 4e9  # a CUDA torch build alone would be several GB
 
 

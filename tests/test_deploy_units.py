@@ -7,10 +7,11 @@ from __future__ import annotations
 import re
 import socket
 import subprocess
+import sys
 
 import pytest
 
-from conftest import sovfl, write_config
+from conftest import ROOT, sovfl, write_config
 from federation.config.schema import ConfigError, load_config
 from federation.ops import slurm
 from federation.ops.health_cmd import tcp_accepts, unix_accepts
@@ -107,3 +108,6 @@ def test_health_checks_real_sockets(tmp_path):
     assert not unix_accepts(str(tmp_path / "sovfl-*.sock"), 1.0)  # a stale socket file is not health
     proc = sovfl("health", "--tcp", f"127.0.0.1:{port}", timeout=60)
     assert proc.returncode == 1 and f"tcp 127.0.0.1:{port} does not accept" in proc.stderr
+    module = subprocess.run([sys.executable, "-m", "federation.ops.health_cmd", "--unix", str(tmp_path / "none-*")],
+                            capture_output=True, text=True, cwd=ROOT, timeout=60)  # the images' form
+    assert module.returncode == 1 and "does not accept connections" in module.stderr, module.stderr

@@ -83,7 +83,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         launcher.write_flwr_connection(sup, f"127.0.0.1:{args.port}", None if args.insecure else bundle / "ca.crt")
         if not args.insecure:
             keys = {site: Path(p) for site, p in _site_auth_keys(bundle, [s.id for s in cfg.sites], workdir).items()}
-            launcher.register_supernodes(sup, keys)
+            # each `flwr` CLI start takes seconds, a minute on a loaded host: within the sites' connect deadline
+            launcher.register_supernodes(sup, keys, timeout_s=max(60.0, cfg.federation.deadlines.connect_s))
         print(f"SuperLink on {args.host}:{args.port}; waiting for {len(cfg.sites)} site(s)")
         data_port = args.port + 1 if args.data_port is None else args.data_port
         data = ("" if args.insecure or not data_port or not cfg.federation.data_path.enabled
