@@ -1,6 +1,6 @@
 """The deployment pieces that need no container runtime or cluster: Slurm's host lists and
 allocation variables (federation/ops/slurm.py), the sbatch script, `sovfl health` against real
-sockets."""
+sockets, and the Kubernetes manifests (deploy/kubernetes), parsed and checked against the images."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from conftest import ROOT, sovfl, write_config
 from federation.config.schema import ConfigError, load_config
@@ -111,3 +112,61 @@ def test_health_checks_real_sockets(tmp_path):
     module = subprocess.run([sys.executable, "-m", "federation.ops.health_cmd", "--unix", str(tmp_path / "none-*")],
                             capture_output=True, text=True, cwd=ROOT, timeout=60)  # the images' form
     assert module.returncode == 1 and "does not accept connections" in module.stderr, module.stderr
+
+
+# -- Kubernetes manifests --------------------------------------------------------------------------
+
+K8S = ROOT / "deploy" / "kubernetes"
+
+
+def _docs(name: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all((K8S / name).read_text()) if d]
+
+
+def _containerfile_ports() -> set[int]:
+    text = (ROOT / "deploy" / "Containerfile").read_text()
+    return {int(p) for line in text.splitlines() if line.startswith("EXPOSE") for p in line.split()[1:]}
+
+
+def test_kubernetes_coordinator_manifest():
+    docs = {d["kind"]: d for d in _docs("coordinator.yaml")}
+    assert set(docs) >= {"Job", "Service", "PersistentVolumeClaim"}
+    pod = docs["Job"]["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["image"].startswith("sovfl-coordinator") or "/sovfl-coordinator:" in c["image"]
+    assert c["args"][:2] == ["coordinator", "/config/federation.yaml"] and "--bundle" in c["args"]
+    ports = {p["containerPort"] for p in c["ports"]}
+    assert ports == _containerfile_ports() == {9092, 9093}
+    assert {p["targetPort"] for p in docs["Service"]["spec"]["ports"]} == ports
+    assert docs["Service"]["spec"]["selector"].items() <= docs["Job"]["spec"]["template"]["metadata"]["labels"].items()
+    _check_mounts(pod, c, {"/pki", "/config", "/work"})
+    assert c["readinessProbe"]["exec"]["command"][:4] == ["python", "-m", "federation.ops.health_cmd", "--tcp"]
+
+
+def test_kubernetes_site_manifest():
+    docs = {d["kind"]: d for d in _docs("site.yaml")}
+    assert set(docs) >= {"Deployment", "PersistentVolumeClaim"}
+    pod = docs["Deployment"]["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert "/sovfl-site:" in c["image"] or c["image"].startswith("sovfl-site")
+    args = c["args"]
+    assert args[:2] == ["site", "/config/federation.yaml"] and "--superlink" in args and "--bundle" in args
+    superlink = args[args.index("--superlink") + 1]
+    coord = {d["kind"]: d for d in _docs("coordinator.yaml")}["Service"]
+    host, port = superlink.rsplit(":", 1)
+    assert host.startswith(coord["metadata"]["name"]) and int(port) == 9092  # the coordinator's Service
+    _check_mounts(pod, c, {"/pki", "/config", "/work", "/data", "/models", "/dev/shm"})
+    assert c["livenessProbe"]["exec"]["command"][:4] == ["python", "-m", "federation.ops.health_cmd", "--unix"]
+    assert docs["Deployment"]["spec"]["strategy"]["type"] == "Recreate"  # never two SuperNodes of one site
+
+
+def _check_mounts(pod: dict, c: dict, paths: set[str]) -> None:
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    assert set(mounts) == paths
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert {m["name"] for m in mounts.values()} == set(volumes)
+    assert mounts["/pki"]["readOnly"] and "secret" in volumes[mounts["/pki"]["name"]]
+    assert mounts["/config"]["readOnly"] and "configMap" in volumes[mounts["/config"]["name"]]
+    sec = pod["securityContext"]
+    assert sec["runAsUser"] == sec["fsGroup"] == 10001 and sec["runAsNonRoot"]
+    assert f"ARG UID={sec['runAsUser']}" in (ROOT / "deploy" / "Containerfile").read_text()
