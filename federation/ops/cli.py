@@ -11,7 +11,8 @@ from pathlib import Path
 
 from crypto.pki import CoordinatorBundle, provision
 from federation.config.schema import ConfigError, load_config
-from federation.ops import export_cmd, launcher, report_cmd, run_dir, scrub_cmd, site_supervisor
+from federation.ops import (export_cmd, health_cmd, launcher, report_cmd, run_dir, scrub_cmd, site_supervisor,
+                            slurm)
 from site_trainer.launch import (RendezvousUnreachable, check_node_rank, fresh_rdzv_id, publish_rdzv_id,
                                  read_rdzv_id, wait_for_rendezvous)
 
@@ -81,8 +82,9 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         launcher.wait_port(link, args.port)
         launcher.write_flwr_connection(sup, f"127.0.0.1:{args.port}", None if args.insecure else bundle / "ca.crt")
         if not args.insecure:
-            keys = {site: Path(p) for site, p in _site_auth_keys(bundle, [s.id for s in cfg.sites]).items()}
-            launcher.register_supernodes(sup, keys)
+            keys = {site: Path(p) for site, p in _site_auth_keys(bundle, [s.id for s in cfg.sites], workdir).items()}
+            # each `flwr` CLI start takes seconds, a minute on a loaded host: within the sites' connect deadline
+            launcher.register_supernodes(sup, keys, timeout_s=max(60.0, cfg.federation.deadlines.connect_s))
         print(f"SuperLink on {args.host}:{args.port}; waiting for {len(cfg.sites)} site(s)")
         data_port = args.port + 1 if args.data_port is None else args.data_port
         data = ("" if args.insecure or not data_port or not cfg.federation.data_path.enabled
@@ -98,8 +100,9 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     return 0 if result.get("status") == "ok" else 1
 
 
-def _site_auth_keys(bundle: Path, sites: list[str]) -> dict[str, Path]:
-    """The SuperNode public keys the coordinator admits, written from its provisioned registry."""
+def _site_auth_keys(bundle: Path, sites: list[str], workdir: Path) -> dict[str, Path]:
+    """The SuperNode public keys the coordinator admits, written from its provisioned registry into
+    the workdir (the bundle may be a read-only mount: a container's or Kubernetes' secret)."""
     keys = CoordinatorBundle.load(bundle).supernode_public_keys()
     missing = sorted(set(sites) - set(keys))
     if missing:
@@ -107,7 +110,7 @@ def _site_auth_keys(bundle: Path, sites: list[str]) -> dict[str, Path]:
                           "re-run `sovfl provision` with those --site names")
     out = {}
     for site in sites:
-        path = bundle / f"supernode-{site}.pub"
+        path = workdir / f"supernode-{site}.pub"
         path.write_text(keys[site] + "\n")
         out[site] = path
     return out
@@ -119,6 +122,11 @@ def cmd_site(args: argparse.Namespace) -> int:
     site = next((s for s in cfg.sites if s.id == args.site), None)
     if site is None:
         raise ConfigError(f"{args.config}: no site '{args.site}'; known: {[s.id for s in cfg.sites]}")
+    if args.slurm:  # this node's rank and node 0's rendezvous address from the allocation (ops/slurm.py)
+        node = slurm.node_from_env()
+        site, args.node_rank = slurm.place_site(cfg, site.id, node), node.node_id
+        print(f"site {site.id}: Slurm job {node.job_id}, node {node.node_id} of {len(node.hosts)} "
+              f"({node.hosts[node.node_id]}); rendezvous at {site.rdzv_endpoint}")
     try:
         check_node_rank(site, args.node_rank)
     except ValueError as err:
@@ -227,7 +235,8 @@ def _command(sub, name: str, help: str, fn, workdir_help: str) -> argparse.Argum
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The `sovfl` argument parser (validate, simulate, provision, coordinator, site, scrub, export)."""
+    """The `sovfl` argument parser (validate, simulate, provision, coordinator, site, scrub, export, report,
+    health, slurm-script)."""
     p = argparse.ArgumentParser(prog="sovfl", description="Federated learning for sovereign clouds.")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -243,7 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     pv.add_argument("--site", action="append", required=True, help="a site name (repeat for each site)")
     pv.add_argument("--coordinator", default="coordinator", help="the coordinator's name")
     pv.add_argument("--host", action="append", default=None,
-                    help="a DNS name or IP the sites use to reach the coordinator (repeatable)")
+                    help="a DNS name or IP the sites use to reach the coordinator (repeatable; 127.0.0.1 and "
+                         "localhost are always added: the coordinator's own tools use them)")
     pv.add_argument("--rotate", action="append", default=[], help="re-issue this party's keys (repeatable)")
     pv.set_defaults(fn=cmd_provision)
 
@@ -268,20 +278,27 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--node-rank", type=int, default=0,
                    help="multi-node sites: this node's index; 0 runs rank 0's endpoint and the SuperNode, "
                         "1..nnodes-1 run only their ranks and join node 0's rendezvous")
+    t.add_argument("--slurm", action="store_true",
+                   help="inside a Slurm allocation (srun, one task per node): --node-rank from SLURM_NODEID, the "
+                        "rendezvous host from node 0 of SLURM_JOB_NODELIST (see `sovfl slurm-script`)")
     t.add_argument("--rdzv-timeout", type=float,
                    help="nodes >= 1: seconds to wait for node 0's rendezvous endpoint and for the nodes to "
                         "join (default: deadlines.trainer_start_s)")
     scrub_cmd.add_parser(sub)
     export_cmd.add_parser(sub)
     report_cmd.register(sub)
+    health_cmd.add_parser(sub)
+    slurm.add_parser(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     """The `sovfl` entry point; the exit code says how it went (2: bad configuration)."""
     args = build_parser().parse_args(argv)
-    if getattr(args, "command", None) == "provision" and args.host is None:
-        args.host = ["127.0.0.1", "localhost"]
+    if getattr(args, "command", None) == "provision":
+        # the coordinator's own processes (`flwr` registering keys, submitting the run) reach its
+        # SuperLink on loopback: its certificate names loopback beside the hosts the sites use
+        args.host = list(dict.fromkeys([*(args.host or []), "127.0.0.1", "localhost"]))
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         return args.fn(args)
