@@ -73,6 +73,20 @@ def test_upload_take_and_download_round_trip(pki, server):
     c.close()
 
 
+def test_an_offer_that_cannot_be_spilled_is_served_from_memory(pki, server):
+    blob, data = blob_of(CHUNK + 5)
+    saved, server.dir = server.dir, server.dir / "missing" / "dir"  # the spill's open fails
+    try:
+        server.offer(blob)
+    finally:
+        server.dir = saved
+    assert blob.path is None and blob.buffers
+    c = client(pki[0], "paris", server)
+    assert bytes(c.download(Ref(blob.root, blob.size, blob.chunk, 0, blob.size, "x"), deadline_s=60)) == data
+    c.close()
+    server.withdraw()
+
+
 def test_a_spilled_blob_serves_the_same_chunks(tmp_path):
     blob, data = blob_of(2 * CHUNK + 7)
     pieces = [bytes(blob.piece(i)) for i in range(blob.count)]
@@ -105,3 +119,116 @@ def test_freed_tensor_memory_goes_back_to_the_system():
     del arrays
     assert rss() < held - (48 << 20)
     del keep
+
+
+def test_wrong_ca_is_refused_at_the_handshake(pki, server):
+    c = client(pki[1], "paris", server)  # a client certificate of another federation's CA
+    with pytest.raises(grpc.RpcError) as err:
+        c.ping(timeout_s=5)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    blob, _ = blob_of(1000)
+    with pytest.raises(BulkUnavailable):
+        c.upload(blob, 7, 1, deadline_s=2)
+    assert not server.uploads
+
+
+def test_revoked_site_is_refused(pki, server):
+    c = client(pki[0], "oslo", server)
+    blob, _ = blob_of(1000)
+    with pytest.raises(BulkRefused) as err:
+        c.upload(blob, 7, 1, deadline_s=10)
+    assert err.value.code == "revoked"
+    assert server.take_refusals()["bulk_revoked"] >= 1
+
+
+def test_tampered_chunk_is_refused_and_never_counts(pki, server):
+    blob, data = blob_of(2 * CHUNK + 10)
+    c = client(pki[0], "paris", server, streams=1)
+    begin = rpc.encode({"run": 7, "round": 1, "root": blob.root, "size": blob.size, "chunk": blob.chunk,
+                        "digests": [d.hex() for d in blob.digests]})
+    c._stub(0, "unary_unary", "Begin")(begin, timeout=10)
+    bad = bytearray(blob.piece(1))
+    bad[100] ^= 1
+    head = ((rpc.PUT_HEADER, rpc.encode({"run": 7, "round": 1, "root": blob.root}).decode()),)
+    with pytest.raises(grpc.RpcError) as err:
+        c._stub(0, "stream_unary", "Put")(iter([rpc.chunk_message(1, bytes(bad))]), timeout=10, metadata=head)
+    assert "bulk_chunk_digest" in err.value.details()
+    with pytest.raises(BulkRefused) as took:
+        server.take("paris", blob.root, blob.size, blob.chunk)
+    assert took.value.code == "incomplete"
+    assert server.take_refusals()["bulk_chunk_digest"] == 1
+    c.upload(blob, 7, 1, deadline_s=30)  # the honest upload goes on with what is missing
+    assert bytes(server.take("paris", blob.root, blob.size, blob.chunk)) == data
+
+
+def test_truncated_stream_is_never_handed_over(pki, server):
+    blob, _ = blob_of(3 * CHUNK)
+    c = client(pki[0], "paris", server, streams=1)
+    begin = rpc.encode({"run": 7, "round": 1, "root": blob.root, "size": blob.size, "chunk": blob.chunk,
+                        "digests": [d.hex() for d in blob.digests]})
+    c._stub(0, "unary_unary", "Begin")(begin, timeout=10)
+    head = ((rpc.PUT_HEADER, rpc.encode({"run": 7, "round": 1, "root": blob.root}).decode()),)
+    reply = rpc.decode(c._stub(0, "stream_unary", "Put")(iter([rpc.chunk_message(0, blob.piece(0))]), timeout=10,
+                                                         metadata=head))
+    assert reply["missing"] == [1, 2]
+    with pytest.raises(BulkRefused) as took:
+        server.take("paris", blob.root, blob.size, blob.chunk)
+    assert took.value.code == "incomplete"
+
+
+def test_replayed_stream_of_another_round_or_run_is_refused(pki, server):
+    blob, _ = blob_of(5000)
+    c = client(pki[0], "paris", server)
+    c.upload(blob, 7, 1, deadline_s=10)
+    server.window(7, 2)  # the next round: the same stream again is a replay
+    with pytest.raises(BulkRefused) as err:
+        c.upload(blob, 7, 1, deadline_s=10)
+    assert err.value.code == "stale_round"
+    with pytest.raises(BulkRefused) as err:
+        c.upload(blob, 6, 2, deadline_s=10)
+    assert err.value.code == "stale_run"
+
+
+def test_a_blob_of_another_site_is_not_taken_as_ours(pki, server):
+    blob, _ = blob_of(5000)
+    client(pki[0], "berlin", server).upload(blob, 7, 1, deadline_s=10)
+    with pytest.raises(BulkRefused) as err:
+        server.take("paris", blob.root, blob.size, blob.chunk)
+    assert err.value.code == "missing"
+
+
+def test_chunk_beyond_the_announced_size_is_refused(pki, server):
+    blob, _ = blob_of(1000)
+    c = client(pki[0], "paris", server, streams=1)
+    begin = rpc.encode({"run": 7, "round": 1, "root": blob.root, "size": blob.size, "chunk": blob.chunk,
+                        "digests": [d.hex() for d in blob.digests]})
+    c._stub(0, "unary_unary", "Begin")(begin, timeout=10)
+    head = ((rpc.PUT_HEADER, rpc.encode({"run": 7, "round": 1, "root": blob.root}).decode()),)
+    for msg, code in ((rpc.chunk_message(5, b"x" * 10), "bulk_chunk_out_of_range"),
+                      (rpc.chunk_message(0, bytes(blob.piece(0)) + b"extra"), "bulk_chunk_size")):
+        with pytest.raises(grpc.RpcError) as err:
+            c._stub(0, "stream_unary", "Put")(iter([msg]), timeout=10, metadata=head)
+        assert code in err.value.details()
+
+
+def test_offload_and_resolve_a_message(pki, server):
+    big = np.arange(600_000, dtype=np.float32)
+    rd = RecordDict({"global": ArrayRecord({"w": to_array(big), "b": to_array(np.ones(3, np.float32))}),
+                     "config": ConfigRecord({"round": 1})})
+    blob, out = offload(rd)
+    assert rd["global"]["w"].stype == "numpy.ndarray"  # the original is left as it was
+    assert set(refs(out)) == {blob.root} and len(out["global"]["b"].data) < 1000
+    server.offer(blob)
+    c = client(pki[0], "berlin", server)
+    n = resolve(out, lambda ref: c.download(ref, 30))
+    assert n == blob.size
+    np.testing.assert_array_equal(parse_array(out["global"]["w"]), big)
+    np.testing.assert_array_equal(parse_array(out["global"]["b"]), np.ones(3, np.float32))
+
+
+def test_malformed_reference_is_refused_by_name():
+    for data in (b"not json", b'{"root": "zz", "size": 1, "chunk": 1, "offset": 0, "length": 1, "stype": "x"}',
+                 os.urandom(64)):
+        with pytest.raises(BulkRefused) as err:
+            Ref.decode(data)
+        assert err.value.reason == "bulk_ref_malformed"

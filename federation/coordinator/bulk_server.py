@@ -114,7 +114,11 @@ class BulkServer:
         with self._lock:
             if root in self.offered:
                 return root
-        blob.spill(str(self.dir / f"offer-{root[:16]}"))
+        try:
+            blob.spill(str(self.dir / f"offer-{root[:16]}"))
+        except OSError as err:  # a full or read-only disk: serve it from memory, as it is
+            log.warning("bulk data path: cannot spill blob %s to %s (%s); serving it from memory", root[:12],
+                        self.dir, err)
         with self._lock:
             self.offered[root] = blob
         return root
