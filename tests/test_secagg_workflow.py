@@ -372,7 +372,7 @@ def test_fedadam_gets_a_mean_update_like_plain_rounds(tmp_path):
     start = {k: v.copy() for k, v in coord.model.items()}
     seen = []
     step = coord.opt.step
-    coord.opt.step = lambda model, mean: seen.append(mean) or step(model, mean)
+    coord.opt.step = lambda model, mean, **kw: seen.append(dict(mean)) or step(model, mean, **kw)
     line = coord.train_round(1)
     assert line["status"] == "aggregated" and all(np.isfinite(v).all() for v in coord.model.values())
     # the server optimizer got the plaintext weighted mean of the sites' (clipped) updates, within the SecAgg bound
