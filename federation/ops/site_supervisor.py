@@ -37,7 +37,7 @@ from flwr.common.constant import HEARTBEAT_DEFAULT_INTERVAL, HEARTBEAT_PATIENCE
 
 from federation.config.restart_config import SiteRestarts
 from federation.ops import supernode_release
-from federation.ops.launcher import OWNER, Proc, Supervisor, marked_pids
+from federation.ops.supervisor import OWNER, Proc, Supervisor, marked_pids
 
 NODE_HOLD_S = HEARTBEAT_PATIENCE * HEARTBEAT_DEFAULT_INTERVAL  # a killed SuperNode's key stays active this long
 PROBE_EVERY_S = 2.0
