@@ -117,7 +117,7 @@ def _descendants(root: int, procs: dict[int, tuple[int, str, int]]) -> set[int]:
     return seen
 
 
-def write_config(path: Path, n_layer: int, n_embd: int, rounds: int, protection: dict) -> Path:
+def write_config(path: Path, n_layer: int, n_embd: int, rounds: int, protection: dict, dtype: str = "float32") -> Path:
     cfg = {
         "federation": {
             "name": "large-update", "rounds": rounds, "quorum": 2, "update_kind": "delta", "evaluate": False,
@@ -126,7 +126,7 @@ def write_config(path: Path, n_layer: int, n_embd: int, rounds: int, protection:
             **protection,
         },
         "workload": {"task": "slm", "options": {"n_layer": n_layer, "n_head": 8, "n_embd": n_embd, "block_size": 32,
-                                                 "corpus_bytes_per_site": 60000, "val_fraction": 0.05}},
+                                                 "corpus_bytes_per_site": 60000, "val_fraction": 0.05, "dtype": dtype}},
         "sites": [{"id": f"site{i}", "ranks": 1, "partition": i, "local_steps": 1, "batch_size": 1, "lr": 0.001,
                    "optimizer": "sgd"} for i in range(2)],
     }
@@ -147,6 +147,9 @@ def main() -> None:
     ap.add_argument("--n-layer", type=int, default=8)
     ap.add_argument("--n-embd", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=2, help="rounds of the sealed run (the SecAgg+ run has 1)")
+    ap.add_argument("--site-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="the slm task's weights on the sites (bfloat16: half the memory and bytes; "
+                         "e.g. --n-layer 26 --n-embd 1280 --site-dtype bfloat16 for 512M parameters)")
     ap.add_argument("--skip-flower", action="store_true")
     ap.add_argument("--skip-secagg", action="store_true")
     ap.add_argument("--workdir", type=Path, default=None)
@@ -163,16 +166,16 @@ def main() -> None:
     out, rounds_ok, rounds_asked, params = {}, 0, 0, 0
     for name, (protection, rounds) in runs.items():
         t0 = time.monotonic()
-        lines, result, mem = run_ours(wd, write_config(wd / f"{name}.yaml", args.n_layer, args.n_embd, rounds, protection),
-                                      name)
+        lines, result, mem = run_ours(wd, write_config(wd / f"{name}.yaml", args.n_layer, args.n_embd, rounds, protection,
+                                                       args.site_dtype), name)
         out[name] = (lines, mem, time.monotonic() - t0)
         rounds_asked += rounds
         rounds_ok += int(result.get("aggregated_rounds", 0))
     shapes = model_shapes_of(wd / "sealed")
     params = sum(_prod(s) for s in shapes)
-    model_mb = params * 4 / 1e6
+    model_mb = params * (2 if args.site_dtype == "bfloat16" else 4) / 1e6  # what travels each way per site
 
-    print(f"# {params:,} float32 parameters ({model_mb:.0f} MB), 2 sites x 1 rank")
+    print(f"# {params:,} {args.site_dtype} parameters ({model_mb:.0f} MB on the wire), 2 sites x 1 rank")
     bytes_moved = seconds = 0.0
     for name, (lines, mem, wall) in out.items():
         for line in lines:
@@ -187,6 +190,9 @@ def main() -> None:
                   f"end to end {e2e:.0f} MB/s per hop; paths {line.get('data_path')}")
         peaks = ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in sorted(mem.items()))
         print(f"  ours {name}: run {wall:.0f}s; peak RSS {peaks}")
+        ratios = ", ".join(f"{k} {(v - tiny_mem.get(k, 0)) / (model_mb * 1e6):.2f}" for k, v in sorted(mem.items())
+                           if k in ("clientapp", "trainer", "supernode", "superlink", "coordinator"))
+        print(f"  ours {name}: per process, (peak - tiny-model peak) / model bytes: {ratios}")
     ours_rate = bytes_moved / 1e6 / max(seconds, 1e-9)
     coord_peak = max(mem.get("coordinator", 0) for _, mem, _ in out.values())
     ratio = (coord_peak - tiny_mem.get("coordinator", 0)) / (params * 4)
@@ -199,9 +205,9 @@ def main() -> None:
         flower = run_flower(wd, wd / "sealed.yaml", shapes, 1, database=False, timeout_s=3600, random_init=True)
         r = flower["rounds"]["1"]
         transfer = r["train_s"] - r.get("train_work_s", 0.0)
-        flower_rate = 6 * model_mb / transfer
+        flower_rate = 6 * params * 4 / 1e6 / transfer  # the anchor app moves float32 arrays of the same shapes
         print(f"  flower FedAvg (in-memory SuperLink): train stage {r['train_s']:.1f}s, ClientApp work "
-              f"{r.get('train_work_s', 0):.1f}s, 6 hops x {model_mb:.0f} MB per site: {flower_rate:.1f} MB/s per hop; "
+              f"{r.get('train_work_s', 0):.1f}s, 6 hops x {params * 4 / 1e6:.0f} MB per site: {flower_rate:.1f} MB/s per hop; "
               f"run {time.monotonic() - t0:.0f}s")
     print(f"RESULT params={params} ours_mb_s_per_hop={ours_rate:.1f} flower_mb_s_per_hop={flower_rate:.1f} "
           f"speedup={ours_rate / flower_rate:.1f} coordinator_peak_ratio={ratio:.2f} rounds_ok={rounds_ok} rounds_asked={rounds_asked}")

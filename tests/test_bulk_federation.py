@@ -42,7 +42,7 @@ def _sites(tmp_path, pki, data: str | None, without: set[str] = frozenset()):
             rng = np.random.default_rng([i, cfg.round])
             delta = {k: (0.01 * rng.standard_normal(v.shape) - 0.1 * v).astype(np.float32) for k, v in model.items()}
             return delta, {"loss": float(i + cfg.round)}
-        return FunctionTrainer(train, 10 * (i + 1), tmp_path / f"s{i}")
+        return FunctionTrainer(train, 10 * (i + 1), tmp_path / f"s{i}", handoff_update=True)  # streamed, as the service's
 
     sites = []
     for i in range(2):
