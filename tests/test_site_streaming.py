@@ -139,10 +139,26 @@ def test_the_downloaded_model_file_is_the_trainers_handoff():
         with handoff.Reader(handle) as reader:  # what the trainer's rank 0 reads
             for k, a in arrays.items():
                 assert np.array_equal(reader[k], a) and reader[k].dtype == a.dtype, k
-        assert handle_in_blob(rec, {k: v for k, v in places.items() if k != "b"}) is None  # one not downloaded: copy
+        assert handle_in_blob(rec, {}) is None  # nothing downloaded: the caller copies
     finally:
         dl.release()
     assert not os.path.exists(dl.path)
+
+
+def test_small_arrays_that_stayed_in_the_message_join_the_downloaded_file():
+    arrays = _update()
+    rec, places, dl = _downloaded_record(arrays)
+    try:
+        small = {k: v for k, v in places.items() if k in ("w",)}  # the others "stayed in the message"
+        inline = {k: (to_array(a) if k != "w" else rec[k]) for k, a in arrays.items()}
+        handle = handle_in_blob(inline, small)
+        assert handle is not None and handle.path == dl.path
+        with handoff.Reader(handle) as reader:
+            for k, a in arrays.items():
+                assert np.array_equal(reader[k], a) and reader[k].dtype == a.dtype, k
+        assert len(dl.view) < os.path.getsize(dl.path)  # appended past the blob, which is unchanged
+    finally:
+        dl.release()
 
 
 def test_a_downloaded_array_with_a_lying_header_is_refused_by_name():

@@ -36,6 +36,7 @@ from federation.protocol.pipeline import RoundContext
 from site_trainer import handoff
 
 _SHM = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
+_ALIGN = 64  # where appended arrays start in a downloaded file (as handoff.py lays out its own)
 
 
 def _scratch(tag: str, directory: str | Path | None = None) -> Path:
@@ -73,22 +74,42 @@ def download_file(size: int, fill) -> DownloadedBlob:
     return DownloadedBlob(str(path), view)
 
 
-def handle_in_blob(rec: ArrayRecord, places: dict[str, tuple[str, int]]) -> handoff.Handle | None:
-    """A hand-off handle onto the file the record's Arrays were downloaded into, or None if one of
-    them was not (then the caller copies). `places`: array key -> (file, offset of its Array data).
-    Each Array's .npy header is checked as `parse_array` checks it (MalformedRecord)."""
-    entries, path = [], None
+def handle_in_blob(rec, places: dict[str, tuple[str, int]]) -> handoff.Handle | None:
+    """A hand-off handle onto the file the record's large Arrays were downloaded into; the small
+    ones that stayed in the Flower message (under `INLINE_MAX`) are appended to that file. None if
+    none was downloaded, or they lie in several files (then the caller copies). `places`: array
+    key -> (file, offset of its Array data). Each Array's .npy header is checked as `parse_array`
+    checks it (MalformedRecord)."""
+    paths = {where[0] for key, where in places.items() if key in rec}
+    if len(paths) != 1:
+        return None
+    path = paths.pop()
+    entries, inline = [], []
     for key, arr in rec.items():
-        where = places.get(key)
-        if where is None or (path is not None and where[0] != path):
-            return None
-        path = where[0]
-        view = parse_array(arr, key, copy=False)  # reads the header only; the data stays in the file
+        view = parse_array(arr, key, copy=False)  # downloaded: reads the header only, the data stays in the file
         if not view.flags.c_contiguous:
             return None  # a Fortran-ordered .npy: its bytes are not the tensor's C layout
-        start = len(memoryview(arr.data).cast("B")) - view.nbytes
-        entries.append(handoff.Entry(key, view.dtype.str, tuple(view.shape), where[1] + start))
-    return handoff.Handle(path, tuple(entries)) if path is not None else None
+        if key in places:
+            start = len(memoryview(arr.data).cast("B")) - view.nbytes
+            entries.append(handoff.Entry(key, view.dtype.str, tuple(view.shape), places[key][1] + start))
+        else:
+            entries.append(None)
+            inline.append((len(entries) - 1, key, view))
+    if inline:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            end = os.fstat(fd).st_size
+            for i, key, view in inline:
+                end = -(-end // _ALIGN) * _ALIGN
+                data, done = memoryview(view.reshape(-1).view(np.uint8)), 0
+                while done < len(data):
+                    done += os.pwrite(fd, data[done:], end + done)
+                entries[i] = handoff.Entry(key, view.dtype.str, tuple(view.shape), end)
+                end += view.nbytes
+            os.ftruncate(fd, max(end, os.fstat(fd).st_size))
+        finally:
+            os.close(fd)
+    return handoff.Handle(path, tuple(entries))
 
 
 # ---- up: the update's hand-off file, sealed into a file --------------------------------------
