@@ -108,14 +108,8 @@ class BulkClient:
                 return True
             lanes = [missing[k::self.streams] for k in range(self.streams) if missing[k::self.streams]]
 
-            def chunks(lane: list[int]):
-                for n, i in enumerate(lane, 1):
-                    yield rpc.chunk_message(i, blob.piece(i))
-                    if n % TRIM_EVERY == 0:
-                        trim_freed()
-
             def send(k: int) -> None:
-                stream = chunks(lanes[k])
+                stream = (rpc.chunk_message(i, blob.piece(i)) for i in lanes[k])
                 self._stub(k, "stream_unary", "Put")(stream, timeout=left, metadata=head)
 
             with ThreadPoolExecutor(len(lanes)) as pool:
