@@ -55,8 +55,9 @@ KINDS = (("flwr-serverapp", "coordinator"), ("flower-superlink", "superlink"), (
 class MemorySampler:
     """Peak resident memory of every process below this one, by kind, sampled from /proc."""
 
-    def __init__(self, period_s: float = 0.2):
+    def __init__(self, period_s: float = 0.2, min_available: int = 0):
         self.period_s, self.peak = period_s, defaultdict(int)
+        self.min_available, self.aborted = min_available, ""  # a shared machine: stop before it runs out
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
@@ -83,7 +84,21 @@ class MemorySampler:
             for kind, v in total.items():
                 self.peak[f"{kind} (all)"] = max(self.peak[f"{kind} (all)"], v)
             self.peak["all processes"] = max(self.peak["all processes"], sum(procs[p][2] for p in below))
+            if self.min_available and not self.aborted and (avail := _mem_available()) < self.min_available:
+                self.aborted = (f"MemAvailable {avail / 1e9:.1f} GB < {self.min_available / 1e9:.1f} GB with this run at "
+                                f"{self.peak['all processes'] / 1e9:.1f} GB: run stopped (its processes killed)")
+                print(f"  ABORT: {self.aborted}", flush=True)
+                for pid in below:  # only the processes this benchmark started
+                    try:
+                        os.kill(pid, 9)
+                    except OSError:
+                        pass
             self._stop.wait(self.period_s)
+
+
+def _mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
 
 
 def _procs() -> dict[int, tuple[int, str, int]]:
@@ -134,10 +149,19 @@ def write_config(path: Path, n_layer: int, n_embd: int, rounds: int, protection:
     return path
 
 
+MIN_AVAILABLE = [0]  # bytes (--min-available-gb)
+
+
 def run_ours(workdir: Path, config: Path, name: str) -> tuple[list[dict], dict, dict]:
     """One `sovfl simulate` run: its metrics lines, result and memory peaks."""
-    with MemorySampler() as mem:
-        result = launcher.simulate(config, workdir / name, progress=lambda line: print(f"  [{name}] {line}", flush=True))
+    with MemorySampler(min_available=MIN_AVAILABLE[0]) as mem:
+        try:
+            result = launcher.simulate(config, workdir / name, progress=lambda line: print(f"  [{name}] {line}", flush=True))
+        except Exception:
+            if mem.aborted:
+                print(f"  [{name}] peaks when stopped: " + ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in sorted(mem.peak.items())))
+                raise SystemExit(f"large_update: {mem.aborted}") from None
+            raise
     lines = [json.loads(x) for x in (workdir / name / "metrics.jsonl").read_text().splitlines() if x.strip()]
     return lines, result, dict(mem.peak)
 
@@ -153,7 +177,10 @@ def main() -> None:
     ap.add_argument("--skip-flower", action="store_true")
     ap.add_argument("--skip-secagg", action="store_true")
     ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--min-available-gb", type=float, default=1.0,
+                    help="stop the run (kill its processes) if the machine's MemAvailable drops below this")
     args = ap.parse_args()
+    MIN_AVAILABLE[0] = int(args.min_available_gb * 1e9)
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     wd = args.workdir or Path(tempfile.mkdtemp(prefix="large-update-"))
     wd.mkdir(parents=True, exist_ok=True)

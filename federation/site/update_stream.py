@@ -192,11 +192,13 @@ class SealedFile:
 
 def seal_to_file(reader: handoff.Reader, bundle: SiteBundle, seal: bool, ctx: RoundContext, meta: dict | None = None,
                  directory: str | Path | None = None) -> SealedFile:
-    """Sign (and seal) the update in `reader` into a file, a chunk window at a time (SealedFile)."""
+    """Sign (and seal) the update in `reader` into a file, a chunk window at a time (SealedFile).
+    The file goes to `directory`, default the temporary directory (a disk: its pages are page
+    cache the kernel can write back, where /dev/shm would hold another copy in memory)."""
     src = PackedSource(reader)
     body_len = body_length(src.size, _ENVELOPE_CHUNK, seal)
     head = npy_header(body_len)
-    path = _scratch(f"{bundle.name}-sealed", directory)
+    path = _scratch(f"{bundle.name}-sealed", directory or tempfile.gettempdir())
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, len(head) + body_len)
