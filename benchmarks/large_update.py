@@ -25,6 +25,11 @@ Flower), over P x 4 bytes.
     .venv/bin/python benchmarks/large_update.py                            # 101M parameters (n_layer 8, n_embd 1024)
     .venv/bin/python benchmarks/large_update.py --n-layer 12 --n-embd 1408 # about 286M
     .venv/bin/python benchmarks/large_update.py --skip-flower               # ours only
+    .venv/bin/python benchmarks/large_update.py --n-layer 26 --n-embd 1280 --site-dtype bfloat16  # 512M, bf16 sites
+
+Per process kind it prints the peak and (peak - the tiny-model run's peak) / model bytes. On a
+shared machine `--min-available-gb` (default 1) stops the run, killing only its own processes,
+when the machine's MemAvailable falls below it, and prints the peaks reached.
 
 Last line: `RESULT params=<P> ours_mb_s_per_hop=<..> flower_mb_s_per_hop=<..> speedup=<ours/flower> coordinator_peak_ratio=<..> rounds_ok=<n>`
 """
