@@ -190,6 +190,11 @@ class SealedFile:
         self.blob.close()
 
 
+def sealed_dir() -> str:
+    """Where sealed updates are written: the temporary directory (on disk)."""
+    return tempfile.gettempdir()
+
+
 def seal_to_file(reader: handoff.Reader, bundle: SiteBundle, seal: bool, ctx: RoundContext, meta: dict | None = None,
                  directory: str | Path | None = None) -> SealedFile:
     """Sign (and seal) the update in `reader` into a file, a chunk window at a time (SealedFile).
@@ -198,7 +203,7 @@ def seal_to_file(reader: handoff.Reader, bundle: SiteBundle, seal: bool, ctx: Ro
     src = PackedSource(reader)
     body_len = body_length(src.size, _ENVELOPE_CHUNK, seal)
     head = npy_header(body_len)
-    path = _scratch(f"{bundle.name}-sealed", directory or tempfile.gettempdir())
+    path = _scratch(f"{bundle.name}-sealed", directory or sealed_dir())
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, len(head) + body_len)
