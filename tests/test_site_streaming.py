@@ -215,7 +215,7 @@ sealed.close(); dl.release()
 """
 
 
-@pytest.mark.slow(60)
+@pytest.mark.slow(seconds=50)
 def test_site_transfer_of_a_400mb_update_runs_in_chunk_window_memory(pki, tmp_path):
     """Seal a 400 MB update from its hand-off file, upload it, download a 400 MB model into
     /dev/shm: the ClientApp's real functions, in a fresh process, against the real data path."""
