@@ -25,6 +25,11 @@ Flower), over P x 4 bytes.
     .venv/bin/python benchmarks/large_update.py                            # 101M parameters (n_layer 8, n_embd 1024)
     .venv/bin/python benchmarks/large_update.py --n-layer 12 --n-embd 1408 # about 286M
     .venv/bin/python benchmarks/large_update.py --skip-flower               # ours only
+    .venv/bin/python benchmarks/large_update.py --n-layer 26 --n-embd 1280 --site-dtype bfloat16  # 512M, bf16 sites
+
+Per process kind it prints the peak and (peak - the tiny-model run's peak) / model bytes. On a
+shared machine `--min-available-gb` (default 1) stops the run, killing only its own processes,
+when the machine's MemAvailable falls below it, and prints the peaks reached.
 
 The run also measures what any authenticated hop can move here at most (benchmarks/_tls_ceiling.py:
 bare mutual TLS sockets, the receiver hashing and writing every byte, 2 streams at once like the 2
@@ -63,8 +68,9 @@ KINDS = (("flwr-serverapp", "coordinator"), ("flower-superlink", "superlink"), (
 class MemorySampler:
     """Peak resident memory of every process below this one, by kind, sampled from /proc."""
 
-    def __init__(self, period_s: float = 0.2):
+    def __init__(self, period_s: float = 0.2, min_available: int = 0):
         self.period_s, self.peak = period_s, defaultdict(int)
+        self.min_available, self.aborted = min_available, ""  # a shared machine: stop before it runs out
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
@@ -91,7 +97,21 @@ class MemorySampler:
             for kind, v in total.items():
                 self.peak[f"{kind} (all)"] = max(self.peak[f"{kind} (all)"], v)
             self.peak["all processes"] = max(self.peak["all processes"], sum(procs[p][2] for p in below))
+            if self.min_available and not self.aborted and (avail := _mem_available()) < self.min_available:
+                self.aborted = (f"MemAvailable {avail / 1e9:.1f} GB < {self.min_available / 1e9:.1f} GB with this run at "
+                                f"{self.peak['all processes'] / 1e9:.1f} GB: run stopped (its processes killed)")
+                print(f"  ABORT: {self.aborted}", flush=True)
+                for pid in below:  # only the processes this benchmark started
+                    try:
+                        os.kill(pid, 9)
+                    except OSError:
+                        pass
             self._stop.wait(self.period_s)
+
+
+def _mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
 
 
 def _procs() -> dict[int, tuple[int, str, int]]:
@@ -125,7 +145,7 @@ def _descendants(root: int, procs: dict[int, tuple[int, str, int]]) -> set[int]:
     return seen
 
 
-def write_config(path: Path, n_layer: int, n_embd: int, rounds: int, protection: dict) -> Path:
+def write_config(path: Path, n_layer: int, n_embd: int, rounds: int, protection: dict, dtype: str = "float32") -> Path:
     cfg = {
         "federation": {
             "name": "large-update", "rounds": rounds, "quorum": 2, "update_kind": "delta", "evaluate": False,
@@ -134,7 +154,7 @@ def write_config(path: Path, n_layer: int, n_embd: int, rounds: int, protection:
             **protection,
         },
         "workload": {"task": "slm", "options": {"n_layer": n_layer, "n_head": 8, "n_embd": n_embd, "block_size": 32,
-                                                 "corpus_bytes_per_site": 60000, "val_fraction": 0.05}},
+                                                 "corpus_bytes_per_site": 60000, "val_fraction": 0.05, "dtype": dtype}},
         "sites": [{"id": f"site{i}", "ranks": 1, "partition": i, "local_steps": 1, "batch_size": 1, "lr": 0.001,
                    "optimizer": "sgd"} for i in range(2)],
     }
@@ -142,10 +162,19 @@ def write_config(path: Path, n_layer: int, n_embd: int, rounds: int, protection:
     return path
 
 
+MIN_AVAILABLE = [0]  # bytes (--min-available-gb)
+
+
 def run_ours(workdir: Path, config: Path, name: str) -> tuple[list[dict], dict, dict]:
     """One `sovfl simulate` run: its metrics lines, result and memory peaks."""
-    with MemorySampler() as mem:
-        result = launcher.simulate(config, workdir / name, progress=lambda line: print(f"  [{name}] {line}", flush=True))
+    with MemorySampler(min_available=MIN_AVAILABLE[0]) as mem:
+        try:
+            result = launcher.simulate(config, workdir / name, progress=lambda line: print(f"  [{name}] {line}", flush=True))
+        except Exception:
+            if mem.aborted:
+                print(f"  [{name}] peaks when stopped: " + ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in sorted(mem.peak.items())))
+                raise SystemExit(f"large_update: {mem.aborted}") from None
+            raise
     lines = [json.loads(x) for x in (workdir / name / "metrics.jsonl").read_text().splitlines() if x.strip()]
     return lines, result, dict(mem.peak)
 
@@ -155,10 +184,16 @@ def main() -> None:
     ap.add_argument("--n-layer", type=int, default=8)
     ap.add_argument("--n-embd", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=2, help="rounds of the sealed run (the SecAgg+ run has 1)")
+    ap.add_argument("--site-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="the slm task's weights on the sites (bfloat16: half the memory and bytes; "
+                         "e.g. --n-layer 26 --n-embd 1280 --site-dtype bfloat16 for 512M parameters)")
     ap.add_argument("--skip-flower", action="store_true")
     ap.add_argument("--skip-secagg", action="store_true")
     ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--min-available-gb", type=float, default=1.0,
+                    help="stop the run (kill its processes) if the machine's MemAvailable drops below this")
     args = ap.parse_args()
+    MIN_AVAILABLE[0] = int(args.min_available_gb * 1e9)
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     wd = args.workdir or Path(tempfile.mkdtemp(prefix="large-update-"))
     wd.mkdir(parents=True, exist_ok=True)
@@ -171,16 +206,16 @@ def main() -> None:
     out, rounds_ok, rounds_asked, params = {}, 0, 0, 0
     for name, (protection, rounds) in runs.items():
         t0 = time.monotonic()
-        lines, result, mem = run_ours(wd, write_config(wd / f"{name}.yaml", args.n_layer, args.n_embd, rounds, protection),
-                                      name)
+        lines, result, mem = run_ours(wd, write_config(wd / f"{name}.yaml", args.n_layer, args.n_embd, rounds, protection,
+                                                       args.site_dtype), name)
         out[name] = (lines, mem, time.monotonic() - t0)
         rounds_asked += rounds
         rounds_ok += int(result.get("aggregated_rounds", 0))
     shapes = model_shapes_of(wd / "sealed")
     params = sum(_prod(s) for s in shapes)
-    model_mb = params * 4 / 1e6
+    model_mb = params * (2 if args.site_dtype == "bfloat16" else 4) / 1e6  # what travels each way per site
 
-    print(f"# {params:,} float32 parameters ({model_mb:.0f} MB), 2 sites x 1 rank")
+    print(f"# {params:,} {args.site_dtype} parameters ({model_mb:.0f} MB on the wire), 2 sites x 1 rank")
     bytes_moved = seconds = 0.0
     for name, (lines, mem, wall) in out.items():
         for line in lines:
@@ -195,6 +230,9 @@ def main() -> None:
                   f"end to end {e2e:.0f} MB/s per hop; paths {line.get('data_path')}")
         peaks = ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in sorted(mem.items()))
         print(f"  ours {name}: run {wall:.0f}s; peak RSS {peaks}")
+        ratios = ", ".join(f"{k} {(v - tiny_mem.get(k, 0)) / (model_mb * 1e6):.2f}" for k, v in sorted(mem.items())
+                           if k in ("clientapp", "trainer", "supernode", "superlink", "coordinator"))
+        print(f"  ours {name}: per process, (peak - tiny-model peak) / model bytes: {ratios}")
     ours_rate = bytes_moved / 1e6 / max(seconds, 1e-9)
     coord_peak = max(mem.get("coordinator", 0) for _, mem, _ in out.values())
     ratio = (coord_peak - tiny_mem.get("coordinator", 0)) / (params * 4)
@@ -207,9 +245,9 @@ def main() -> None:
         flower = run_flower(wd, wd / "sealed.yaml", shapes, 1, database=False, timeout_s=3600, random_init=True)
         r = flower["rounds"]["1"]
         transfer = r["train_s"] - r.get("train_work_s", 0.0)
-        flower_rate = 6 * model_mb / transfer
+        flower_rate = 6 * params * 4 / 1e6 / transfer  # the anchor app moves float32 arrays of the same shapes
         print(f"  flower FedAvg (in-memory SuperLink): train stage {r['train_s']:.1f}s, ClientApp work "
-              f"{r.get('train_work_s', 0):.1f}s, 6 hops x {model_mb:.0f} MB per site: {flower_rate:.1f} MB/s per hop; "
+              f"{r.get('train_work_s', 0):.1f}s, 6 hops x {params * 4 / 1e6:.0f} MB per site: {flower_rate:.1f} MB/s per hop; "
               f"run {time.monotonic() - t0:.0f}s")
     ceiling = tls_ceiling_mb_s(size=min(params * 4, 1 << 30), streams=2)
     print(f"  ceiling: bare mutual TLS + SHA-256 + file write, 2 streams at once (benchmarks/_tls_ceiling.py): "

@@ -173,6 +173,19 @@ class Reader(_File, Mapping):
     def handle_entry(self, name: str) -> Entry:
         return self._entries[name]
 
+    def read_range(self, name: str, start: int, out: memoryview) -> None:
+        """Read bytes [start, start + len(out)) of array `name` into `out`: a piece of a tensor, for
+        readers that stream a large file through a small buffer (the ClientApp sealing an update)."""
+        e = self._entries[name]
+        if start < 0 or start + len(out) > e.nbytes:
+            raise ValueError(f"hand-off entry {name}: bytes [{start}, {start + len(out)}) outside its {e.nbytes}")
+        done = 0
+        while done < len(out):
+            n = os.preadv(self._fd, [out[done:]], e.offset + start + done)
+            if n <= 0:
+                raise ValueError(f"hand-off file {self.handle.path} ended at byte {e.offset + start + done} ({name})")
+            done += n
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._entries)
 

@@ -42,7 +42,7 @@ def _sites(tmp_path, pki, data: str | None, without: set[str] = frozenset()):
             rng = np.random.default_rng([i, cfg.round])
             delta = {k: (0.01 * rng.standard_normal(v.shape) - 0.1 * v).astype(np.float32) for k, v in model.items()}
             return delta, {"loss": float(i + cfg.round)}
-        return FunctionTrainer(train, 10 * (i + 1), tmp_path / f"s{i}")
+        return FunctionTrainer(train, 10 * (i + 1), tmp_path / f"s{i}", handoff_update=True)  # streamed, as the service's
 
     sites = []
     for i in range(2):
@@ -177,3 +177,17 @@ def test_a_superlink_down_past_the_budget_ends_the_run_with_a_clear_error():
     with pytest.raises(TimeoutError, match="superlink_retry_s.*--resume"):
         grid.get_node_ids()
     assert not transient(ValueError("a bug")) and transient(httpx.ReadError("reset"))
+
+
+def test_a_site_that_cannot_write_its_sealed_update_seals_it_in_memory(tmp_path, pki, monkeypatch, capfd):
+    """The streamed path's file cannot be written (a full or missing disk): the update is read from
+    the trainer's file and sealed whole, as without the data path, and the rounds complete."""
+    from federation.site import update_stream
+
+    monkeypatch.setattr(update_stream, "sealed_dir", lambda: str(tmp_path / "no" / "such" / "dir"))
+    cfg = _cfg(seal=True)
+    _, result, metrics, grid, _, _ = _run(tmp_path / "bulk", pki, cfg, bulk=True)
+    assert result["aggregated_rounds"] == 2
+    assert grid.inline == 0 and all(s["bulk_up_bytes"] > 0 for line in metrics for s in line["sites"].values())
+    assert not any(line["rejections"] for line in metrics)
+    assert capfd.readouterr().err.count("cannot write the sealed update to a file") == 4  # 2 sites x 2 rounds

@@ -31,6 +31,7 @@ from federation.protocol.codecs import Arrays
 from federation.protocol.round_config import RoundConfig
 from federation.site.site_env import SiteEnv
 from federation.site.trainer_call import EvalResult, GlobalModel, Trainer, TrainerFailed, TrainResult
+from site_trainer import handoff
 
 SUPERLINK_NODE_ID = 1  # the node id the ServerApp's messages come from
 
@@ -130,11 +131,13 @@ def task_identity(run_id: int) -> Iterator[None]:
 
 class FunctionTrainer:
     """A `Trainer` from plain functions, for simulations: `train(model, config) -> (update, metrics)`
-    on numpy arrays, with the site's example count and a workdir for its store."""
+    on numpy arrays, with the site's example count and a workdir for its store. `handoff_update`:
+    return the update as the trainer service does, in a hand-off file (the ClientApp streams it)."""
 
     def __init__(self, train: Callable[[Arrays, RoundConfig], tuple[Arrays, dict]], num_examples: int,
-                 workdir: str | Path, evaluate: Callable[[Arrays, RoundConfig], dict] | None = None):
-        self._train, self._evaluate = train, evaluate
+                 workdir: str | Path, evaluate: Callable[[Arrays, RoundConfig], dict] | None = None,
+                 handoff_update: bool = False):
+        self._train, self._evaluate, self.handoff_update = train, evaluate, handoff_update
         self.num_examples, self._workdir = int(num_examples), Path(workdir)
 
     def info(self) -> dict:
@@ -148,7 +151,14 @@ class FunctionTrainer:
     def train(self, model: GlobalModel, config: RoundConfig) -> TrainResult:
         """Run the training function on the model's arrays."""
         update, metrics = self._train(model.arrays(), config)
-        return TrainResult(update, self.num_examples, dict(metrics))
+        if not self.handoff_update:
+            return TrainResult(update, self.num_examples, dict(metrics))
+        handle = handoff.write_arrays(update, tag="inprocess-update")
+        try:
+            source = handoff.Reader(handle)
+        finally:
+            handoff.release(handle.path)
+        return TrainResult({}, self.num_examples, dict(metrics), source=source)
 
     def evaluate(self, model: GlobalModel, config: RoundConfig) -> EvalResult:
         """Run the evaluation function on the model's arrays."""

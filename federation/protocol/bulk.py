@@ -38,6 +38,7 @@ INLINE_MAX = 1 << 20  # Arrays smaller than this stay in the Flower message (mea
 REF_STYPE = "sovfl.bulk-ref/1"
 MAX_BLOB = 1 << 40  # 1 TiB: a bound a hostile header cannot exceed (the disk is the real one)
 _DOMAIN = b"sovfl-bulk-blob-v1"
+_DIGEST_WINDOW = 8  # chunks hashed at once (a file-backed blob reads them: 32 MiB in memory)
 
 
 class BulkRefused(UpdateRejected):
@@ -124,11 +125,26 @@ class Blob:
             return parts[0]
         return b"".join(parts)
 
+    @classmethod
+    def of_file(cls, path: str, chunk: int = CHUNK) -> "Blob":
+        """The blob a file holds, its chunks read from the file when asked for (the site's sealed
+        update: never in memory whole). `close()` deletes the file."""
+        fd = os.open(path, os.O_RDONLY)
+        blob = cls([], chunk)
+        blob.size = os.fstat(fd).st_size
+        blob.count = chunk_count(blob.size, chunk)
+        blob._fd, blob.path = fd, path
+        return blob
+
     @property
     def digests(self) -> list[bytes]:
-        """The chunk digests (computed once)."""
+        """The chunk digests (computed once, `_DIGEST_WINDOW` chunks at a time: a blob served from
+        a file never has more than that many chunks in memory)."""
         if self._digests is None:
-            self._digests = digests_of([self.piece(i) for i in range(self.count)])
+            out: list[bytes] = []
+            for lo in range(0, self.count, _DIGEST_WINDOW):
+                out += digests_of([self.piece(i) for i in range(lo, min(self.count, lo + _DIGEST_WINDOW))])
+            self._digests = out
         return self._digests
 
     @property

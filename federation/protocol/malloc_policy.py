@@ -38,3 +38,21 @@ def return_freed_tensors(threshold: int = THRESHOLD) -> bool:
     if not _done:
         log.debug("mallopt(M_MMAP_THRESHOLD) unavailable: freed tensor memory may stay resident")
     return _done
+
+
+_trim = None
+
+
+def trim_freed() -> None:
+    """Give back what glibc holds freed in its arenas (malloc_trim(0)): a long transfer on several
+    threads frees a chunk-sized message per step, and the arenas of gRPC's threads kept those pages
+    resident, growing with the transfer's size (measured: 100 MiB more per 400 MiB downloaded on
+    4 streams, back to the baseline after a trim). A no-op where the C library is not glibc."""
+    global _trim
+    if _trim is None:
+        try:
+            _trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _trim = False
+    if _trim:
+        _trim(0)

@@ -11,6 +11,7 @@ goes on with those, with backoff, until the deadline; then it says what failed.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -20,8 +21,10 @@ import grpc
 from crypto.pki import SiteBundle
 from federation.protocol import bulk_rpc as rpc
 from federation.protocol.bulk import Blob, BulkRefused, Ref, chunk_count
+from federation.protocol.malloc_policy import trim_freed
 
 STREAMS = 4
+TRIM_EVERY = 8  # chunks a stream moves between two trims of freed memory (protocol/malloc_policy.py)
 _TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
               grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED}
 
@@ -119,19 +122,40 @@ class BulkClient:
     # ---- download ---------------------------------------------------------------------------------
     def download(self, ref: Ref, deadline_s: float) -> bytearray:
         """The blob `ref` names, every chunk checked against the digests that hash to its name."""
-        deadline = time.monotonic() + deadline_s
         out = bytearray(ref.size)
         view = memoryview(out)
+
+        def put(offset: int, data) -> None:
+            view[offset:offset + len(data)] = data
+
+        self._download(ref, deadline_s, put)
+        return out
+
+    def download_into(self, ref: Ref, deadline_s: float, fd: int) -> None:
+        """The blob `ref` names written into the open file `fd` (at least `ref.size` bytes long),
+        each chunk written once it is checked: the process holds only the chunks in flight."""
+        def put(offset: int, data) -> None:
+            view, done = memoryview(data).cast("B"), 0
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], offset + done)
+
+        self._download(ref, deadline_s, put)
+
+    def _download(self, ref: Ref, deadline_s: float, put: Callable[[int, memoryview], None]) -> None:
+        deadline = time.monotonic() + deadline_s
         missing = set(range(chunk_count(ref.size, ref.chunk)))
 
         def fetch(k: int, chunks: list[int] | None, left: float) -> None:
             stream = self._stub(k, "unary_stream", "Get")(
                 rpc.encode({"root": ref.root, "chunks": chunks}), timeout=left)
             digests = rpc.parse_get_header(next(stream), ref)
-            for msg in stream:
+            for n, msg in enumerate(stream, 1):
                 index, data = rpc.check_chunk(msg, ref.size, ref.chunk, digests)
-                view[index * ref.chunk:index * ref.chunk + len(data)] = data
+                put(index * ref.chunk, data)
                 missing.discard(index)
+                del msg, data
+                if n % TRIM_EVERY == 0:
+                    trim_freed()
 
         def attempt() -> bool:
             left = max(1.0, deadline - time.monotonic())
@@ -143,4 +167,3 @@ class BulkClient:
             return not missing
 
         self._retrying(f"download of {ref.size / 1e6:.1f} MB", deadline, attempt)
-        return out

@@ -28,6 +28,7 @@ from federation.site import link_probe
 from federation.site.bulk_client import STREAMS, BulkClient, BulkUnavailable
 from federation.site.replies import fail
 from federation.site.site_env import SiteEnv, site_env
+from federation.site.update_stream import download_file
 
 DEFAULT_DEADLINE_S = 120.0  # a message without a round config (discovery, queries)
 
@@ -108,10 +109,15 @@ def bulk_mod(msg: Message, context: Context, call_next) -> Message:
             if bulk.client is None:
                 return fail(msg, env.site, f"bulk_unreachable: the coordinator sent the model on its data path but "
                             f"{bulk.why_not()}; give the SuperNode node config data-address=HOST:PORT and bundle-dir")
-            down = resolve(msg.content, lambda ref: bulk.client.download(ref, bulk.deadline_s()))
+            down = _download(bulk, msg)
     except (BulkRefused, BulkUnavailable) as err:
+        _release(env)
         return fail(msg, env.site, f"{getattr(err, 'reason', 'bulk_unavailable')}: {err}")
+    except OSError as err:  # /dev/shm full or unwritable
+        _release(env)
+        return fail(msg, env.site, f"bulk_unavailable: cannot keep the downloaded model in a file: {err}")
     down_s = time.perf_counter() - t0
+    env.bulk_direct = bulk.told and bulk.client is not None
     try:
         reply = call_next(msg, context)
         if not reply.has_content():
@@ -127,14 +133,69 @@ def bulk_mod(msg: Message, context: Context, call_next) -> Message:
         figures = {}
         if down:
             figures.update(bulk_down_bytes=float(down), bulk_down_s=down_s)
+        if env.sealed is not None and keys.UPDATE in reply.content.array_records:
+            figures.update(_upload_sealed(bulk, msg, reply))
         if bulk.told and bulk.client is not None and has_big(reply.content, bulk.inline_max):
             figures.update(_upload(bulk, msg, reply))
         if figures and keys.METRICS in reply.content.metric_records:
             reply.content.metric_records[keys.METRICS].update(figures)
         return reply
     finally:
+        _release(env)
         if bulk.__dict__.get("client") is not None:
             bulk.client.close()
+
+
+def _download(bulk: SiteBulk, msg: Message) -> int:
+    """Download every blob `msg` references into a /dev/shm file, a verified chunk at a time, and
+    put views of the files in place of the references; where each Array lies is kept in
+    `env.bulk_places` (the downlink mod hands that file to the trainer: update_stream.py)."""
+    env, found, paths = bulk.env, refs(msg.content), {}
+
+    def fetch(ref) -> memoryview:
+        dl = download_file(ref.size, lambda fd: bulk.client.download_into(ref, bulk.deadline_s(), fd))
+        env.downloads.append(dl)
+        paths[ref.root] = dl.path
+        return dl.view
+
+    down = resolve(msg.content, fetch)
+    for root, entries in found.items():
+        for rkey, akey, ref in entries:
+            env.bulk_places.setdefault(rkey, {})[akey] = (paths[root], ref.offset)
+    return down
+
+
+def _release(env: SiteEnv) -> None:
+    """Delete this message's data-path files (views of downloads stay valid while mapped)."""
+    for dl in env.downloads:
+        dl.release()
+    env.downloads = []
+    if env.update_source is not None:
+        env.update_source.close()
+        env.update_source = None
+    if env.sealed is not None:
+        env.sealed.close()
+        env.sealed = None
+
+
+def _upload_sealed(bulk: SiteBulk, msg: Message, reply: Message) -> dict[str, float]:
+    """Upload the sealed update's file (the reply references it already); when the data path
+    cannot take it, the body goes into the reply for Flower to carry, and the log says why."""
+    sealed, t0 = bulk.env.sealed, time.perf_counter()
+    why = None
+    if not (bulk.told and bulk.client is not None):
+        why = "this site is not on the data path"
+    else:
+        try:
+            bulk.client.upload(sealed.blob, int(msg.metadata.run_id), bulk.env.config.round, bulk.deadline_s() * 0.7)
+        except (BulkRefused, BulkUnavailable, RoundConfigError) as err:
+            why = str(err)
+    if why is not None:
+        _say(f"site {bulk.env.site}: update NOT sent on the data path ({why}); sending it through Flower")
+        reply.content[keys.UPDATE] = sealed.inline_records()
+        return {"bulk_fallback": 1.0}
+    return {"bulk_up_bytes": float(sealed.blob.size), "bulk_up_s": time.perf_counter() - t0,
+            "bulk_retries": float(bulk.client.retries)}
 
 
 def _upload(bulk: SiteBulk, msg: Message, reply: Message) -> dict[str, float]:

@@ -29,10 +29,11 @@ import time
 
 _IMPORTS_START = time.perf_counter()  # our imports are paid by every message's fresh process (APP_IMPORT_S)
 
-from flwr.app import Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from federation.protocol import message_keys as keys
+from federation.protocol.malloc_policy import return_freed_tensors
 from federation.protocol.payload_records import to_records
 from federation.protocol.pipeline import Payload
 from federation.site.attestation_mod import attestation_mod
@@ -45,8 +46,10 @@ from federation.site.replies import fail, status
 from federation.site.secagg_mod import secagg_mod
 from federation.site.site_env import SiteEnv, SiteScope, TrainerFactory, site_env
 from federation.site.trainer_call import EvalResult, ServiceTrainer, TrainerFailed, TrainResult
+from federation.site.update_stream import reader_records
 
 APP_IMPORT_S = time.perf_counter() - _IMPORTS_START  # reported per message (protocol/message_cost.py)
+return_freed_tensors()  # chunks and tensors come and go: freed ones leave the process (protocol/malloc_policy.py)
 
 
 def service_trainer(env: SiteEnv) -> ServiceTrainer:
@@ -77,7 +80,7 @@ def _trainer_call(msg: Message, context: Context, *methods: str) -> tuple[SiteEn
     env = site_env(context)
     model, owned = env.global_model, False
     if model is None:
-        model, owned = dense_global(msg.content, env.site), True
+        model, owned = dense_global(msg.content, env.site, env.bulk_places.get(keys.GLOBAL)), True
     try:
         out = []
         for m in methods:
@@ -92,6 +95,14 @@ def _trainer_call(msg: Message, context: Context, *methods: str) -> tuple[SiteEn
             model.release()
 
 
+def streams_update(env: SiteEnv, msg: Message) -> bool:
+    """Whether the update can go from the trainer's file to the coordinator without being whole in
+    this process: signed (and maybe sealed) by the protection mod, not encoded by a codec nor
+    masked by SecAgg (both need the whole vector), and uploaded on the data path."""
+    return (env.bulk_direct and env.bundle is not None and keys.SECAGG not in msg.content.config_records
+            and env.config.codec == "identity")
+
+
 def train(msg: Message, context: Context) -> Message:
     """The bare train call: the trainer's update, dense, in the reply (the mods encode it). With
     `evaluate` in the round config the received model is evaluated first, on the site's held-out
@@ -104,8 +115,17 @@ def train(msg: Message, context: Context) -> Message:
     if isinstance(res, Message):
         return res
     trained = res[-1]
-    out = to_records(Payload(trained.update), keys.UPDATE, keys.UPDATE_META)
-    dense = float(sum(a.nbytes for a in trained.update.values()))
+    dense = float(trained.dense_bytes())
+    if trained.source is not None and streams_update(env, msg):
+        env.update_source = trained.source  # the protection mod seals it from the file (update_stream.py)
+        out = RecordDict({keys.UPDATE: ArrayRecord(), keys.UPDATE_META: ConfigRecord({})})
+    elif trained.source is not None:
+        try:
+            out = RecordDict({keys.UPDATE: reader_records(trained.source), keys.UPDATE_META: ConfigRecord({})})
+        finally:
+            trained.close()
+    else:
+        out = to_records(Payload(trained.update), keys.UPDATE, keys.UPDATE_META)
     out[keys.STATUS] = status(env.site, True, num_examples=trained.num_examples, rank_digests=trained.rank_digests)
     metrics = {**trained.metrics, "dense_bytes": dense, "upload_bytes": dense}
     if evaluate_first:  # the evaluation's figures (not its load_s: the train call reports its own)

@@ -22,6 +22,7 @@ from federation.site.replies import fail, ok
 from federation.site.site_env import site_env
 from federation.site.site_store import ReferenceStore
 from federation.site.trainer_call import GlobalModel, TrainerFailed
+from federation.site.update_stream import handle_in_blob
 from site_trainer import handoff
 
 
@@ -31,7 +32,7 @@ def downlink_mod(msg: Message, context: Context, call_next) -> Message:
         return call_next(msg, context)
     env = site_env(context)
     try:
-        glob = receive_global(msg.content, env.site, lambda: env.store.reference.dir)
+        glob = receive_global(msg.content, env.site, lambda: env.store.reference.dir, env.bulk_places.get(keys.GLOBAL))
     except (DownlinkError, MalformedRecord, TrainerFailed) as err:  # MalformedRecord: an array that does not parse
         return fail(msg, env.site, f"site {env.site}: {err}")
     env.global_model = glob
@@ -46,12 +47,14 @@ def downlink_mod(msg: Message, context: Context, call_next) -> Message:
     return reply
 
 
-def receive_global(content: RecordDict, site: str, store_dir: Callable[[], Path]) -> GlobalModel:
+def receive_global(content: RecordDict, site: str, store_dir: Callable[[], Path],
+                   places: dict[str, tuple[str, int]] | None = None) -> GlobalModel:
     """The global model of a train/evaluate message, ready for the trainer. Without a DOWNLINK
     record it is the dense model (copied to shared memory); with one, it is rebuilt from the
-    reference in `store_dir()` and becomes the new reference. Raises DownlinkError."""
+    reference in `store_dir()` and becomes the new reference. `places`: where the bulk mod downloaded
+    the GLOBAL record's Arrays (update_stream.py). Raises DownlinkError."""
     if keys.DOWNLINK not in content.config_records:
-        return dense_global(content, site)
+        return dense_global(content, site, places)
     payload = from_records(content, keys.GLOBAL, keys.DOWNLINK)
     store = ReferenceStore(store_dir())
     current = store.load()
@@ -63,7 +66,14 @@ def receive_global(content: RecordDict, site: str, store_dir: Callable[[], Path]
     return GlobalModel(handle, False, {keys.MODEL_DIGEST: digest})
 
 
-def dense_global(content: RecordDict, site: str) -> GlobalModel:
-    """The dense GLOBAL record of a message, as a temporary hand-off file."""
+def dense_global(content: RecordDict, site: str, places: dict[str, tuple[str, int]] | None = None) -> GlobalModel:
+    """The dense GLOBAL record of a message as a hand-off file: the file the bulk mod downloaded it
+    into when it came on the data path (`places`; no copy, the bulk mod deletes it), else a
+    temporary copy."""
+    rec = content.array_records.get(keys.GLOBAL)
+    if places and rec is not None and len(rec):
+        handle = handle_in_blob(rec, places)
+        if handle is not None:
+            return GlobalModel(handle, False)
     arrays = from_records(content, keys.GLOBAL, keys.DOWNLINK, copy=False).arrays
     return GlobalModel(handoff.write_arrays(arrays, tag=f"{site}-global"), True)

@@ -7,6 +7,8 @@ update leaves unsigned, and a coordinator with a PKI rejects it.
 
 from __future__ import annotations
 
+import sys
+
 from flwr.app import Context, Message, MessageType
 
 from crypto.envelope import make_envelope
@@ -16,6 +18,7 @@ from federation.protocol.envelope_layout import as_payload, inner
 from federation.protocol.pipeline import Payload, RoundContext
 from federation.site.replies import ok, set_update, update_of
 from federation.site.site_env import site_env
+from federation.site.update_stream import reader_records, seal_to_file
 
 
 class SiteProtection:
@@ -47,5 +50,21 @@ def protection_mod(msg: Message, context: Context, call_next) -> Message:
     env = site_env(context)
     if not ok(reply) or env.bundle is None:
         return reply
+    if env.update_source is not None:  # the update is still the trainer's file: seal it a chunk at a time
+        source, env.update_source = env.update_source, None
+        try:
+            sealed = seal_to_file(source, env.bundle, env.config.seal, env.round_context(),
+                                  meta=dict(reply.content.config_records.get(keys.UPDATE_META, {})))
+        except OSError as err:  # no room for the sealed file: envelope it whole, as without the data path
+            print(f"[sovfl site] site {env.site}: cannot write the sealed update to a file ({err}); "
+                  "sealing it in memory", file=sys.stderr, flush=True)
+            reply.content[keys.UPDATE] = reader_records(source)
+            source.close()
+        else:
+            source.close()
+            env.sealed = sealed  # the bulk mod uploads the file (or puts the body in the message)
+            reply.content[keys.UPDATE], reply.content[keys.UPDATE_META] = sealed.records()
+            reply.content.metric_records[keys.METRICS]["upload_bytes"] = float(sealed.body_len)
+            return reply
     set_update(reply, SiteProtection(env.bundle, seal=env.config.seal).encode(update_of(reply), env.round_context()))
     return reply

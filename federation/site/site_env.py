@@ -53,6 +53,12 @@ class SiteEnv:
             raise RuntimeError(f"SuperNode started without node config {err}; start it with {NODE_CONFIG_HINT}") from None
         self._trainer_for = trainer_for
         self.global_model: GlobalModel | None = None  # set by the downlink mod for the trainer call
+        # the data path's files of this message (update_stream.py), released by the bulk mod:
+        self.bulk_direct = False  # the reply's large Arrays will go on the coordinator's data path
+        self.bulk_places: dict[str, dict[str, tuple[str, int]]] = {}  # record -> array -> (file, offset)
+        self.downloads: list = []  # DownloadedBlob: the message's blobs, in /dev/shm files
+        self.update_source = None  # handoff.Reader: the trainer's update, not yet read (train -> protection)
+        self.sealed = None  # SealedFile: the enveloped update in a file (protection -> bulk)
 
     @staticmethod
     def current(context: Context) -> "SiteEnv | None":

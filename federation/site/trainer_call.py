@@ -44,12 +44,30 @@ class GlobalModel:
 
 @dataclass
 class TrainResult:
-    """What local training returns: the update (weights or delta, per the round config)."""
+    """What local training returns: the update (weights or delta, per the round config), either as
+    arrays (`update`, in-process trainers) or as the trainer's hand-off file (`source`, open after its
+    unlink: the ClientApp streams it instead of holding it; then `update` is empty)."""
 
     update: Arrays
     num_examples: int
     metrics: dict[str, float] = field(default_factory=dict)
     rank_digests: list[str] = field(default_factory=list)  # every rank's digest of its weights
+    source: handoff.Reader | None = None
+
+    def arrays(self) -> Arrays:
+        """The update as arrays (read from `source` when the trainer gave a file: one copy)."""
+        return self.update if self.source is None else {name: self.source[name] for name in self.source}
+
+    def dense_bytes(self) -> int:
+        """The update's size in bytes, without reading it."""
+        if self.source is not None:
+            return sum(e.nbytes for e in self.source.handle.entries)
+        return sum(a.nbytes for a in self.update.values())
+
+    def close(self) -> None:
+        """Let go of the trainer's file (its memory goes back once nothing holds it open)."""
+        if self.source is not None:
+            self.source.close()
 
 
 @dataclass
@@ -118,15 +136,22 @@ class ServiceTrainer:
                 "timeout_s": config.deadline_s}
 
     def train(self, model: GlobalModel, config: RoundConfig) -> TrainResult:
-        """Train; the update comes back as a hand-off file, mapped here and unlinked (no copy)."""
+        """Train; the update comes back as a hand-off file, held open here and unlinked: it is read
+        from the file a piece at a time (never mapped whole: its pages would count in this
+        process's resident set)."""
         reply = self._call("Train", self._request(model, config), config.deadline_s)
-        upd = handoff.Handle.from_json(reply["update"])
         try:
-            arrays = handoff.map_arrays(upd)  # views stay valid after the unlink below
+            upd = handoff.Handle.from_json(reply["update"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise TrainerFailed(f"the trainer's update hand-off is unusable: {err}") from None
+        try:
+            source = handoff.Reader(upd)  # stays readable after the unlink below
+        except (OSError, ValueError) as err:
+            raise TrainerFailed(f"cannot read the trainer's update hand-off: {err}") from None
         finally:
             handoff.release(upd.path)
-        return TrainResult(arrays, int(reply["num_examples"]), {k: float(v) for k, v in reply.get("metrics", {}).items()},
-                           [str(d) for d in reply.get("rank_digests", [])])
+        return TrainResult({}, int(reply["num_examples"]), {k: float(v) for k, v in reply.get("metrics", {}).items()},
+                           [str(d) for d in reply.get("rank_digests", [])], source=source)
 
     def evaluate(self, model: GlobalModel, config: RoundConfig) -> EvalResult:
         """Evaluate on the site's held-out data."""

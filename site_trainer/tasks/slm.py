@@ -12,6 +12,7 @@ import os
 import sysconfig
 import zlib
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -45,14 +46,15 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, n_layer: int, n_head: int, n_embd: int, block_size: int):
+    def __init__(self, n_layer: int, n_head: int, n_embd: int, block_size: int, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.block_size = block_size
-        self.tok = nn.Embedding(VOCAB, n_embd)
-        self.pos = nn.Embedding(block_size, n_embd)
-        self.blocks = nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer))
-        self.ln = nn.LayerNorm(n_embd)
-        self.head = nn.Linear(n_embd, VOCAB, bias=False)
+        # each part made in `dtype` as it is built: a bf16 model never exists in float32 whole
+        self.tok = nn.Embedding(VOCAB, n_embd, dtype=dtype)
+        self.pos = nn.Embedding(block_size, n_embd, dtype=dtype)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head).to(dtype) for _ in range(n_layer))
+        self.ln = nn.LayerNorm(n_embd, dtype=dtype)
+        self.head = nn.Linear(n_embd, VOCAB, bias=False, dtype=dtype)
         self.apply(self._init)
         for name, p in self.named_parameters():
             if name.endswith(("proj.weight", "out.weight")):  # GPT-2's scaled residual init
@@ -116,6 +118,10 @@ class SLMOptions(BaseModel):
     block_size: int = Field(64, ge=8, description="context length in bytes")
     corpus_bytes_per_site: int = Field(400_000, ge=10_000, description="stdlib source bytes each site trains on")
     val_fraction: float = Field(0.2, gt=0, lt=1, description="tail of a site's corpus held out for evaluation")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="dtype of the weights as built, trained and exchanged: bfloat16 halves the weights, "
+                               "the gradients and the bytes on the wire (no float32 master copy: pure bf16 "
+                               "training, for models that only fit so; the coordinator still averages in float32)")
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "SLMOptions":
@@ -131,7 +137,8 @@ class ByteGPT(Task):
 
     def build_model(self) -> nn.Module:
         o = self.options
-        return GPT(o.n_layer, o.n_head, o.n_embd, o.block_size)
+        return GPT(o.n_layer, o.n_head, o.n_embd, o.block_size,
+                   torch.bfloat16 if o.dtype == "bfloat16" else torch.float32)
 
     def build_data(self) -> TaskData:
         """Windows of `block_size + 1` bytes; the tail of the site's corpus is held out for evaluation."""
