@@ -55,6 +55,7 @@ import math
 import os
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -108,7 +109,7 @@ def our_config(path: Path, workdir: Path, model_dir: Path, args) -> Path:
             "name": "wan-time-to-loss", "rounds": args.ours_rounds or args.rounds, "quorum": SITES,
             "update_kind": "delta", "evaluate": True, "seed": args.seed,
             "strategy": "diloco", "overlap": True, "error_feedback": True,
-            "codec": f"int8:clip={clip!r}",
+            "codec": f"int8:clip={clip!r}", "downlink_codec": args.downlink_codec,
             "round_target_s": args.round_target_s,
             "link": {"probe_seconds": 0.5, "max_local_steps": args.max_local_steps,
                      "codecs": [c.format(clip=repr(clip)) for c in args.codecs.split(",")],
@@ -179,7 +180,49 @@ def run_flower(workdir: Path, data: Path, model_dir: Path, links: list[ShapedLin
     t0 = res["start"]
     curve = [(r["time"] - t0, r["eval_loss"]) for _, r in sorted(res["rounds"].items(), key=lambda kv: int(kv[0]))
              if r.get("eval_loss") is not None]
-    return {"curve": curve, "bytes_up": sum(r["bytes_up"] for r in res["rounds"].values()), "rounds": res["rounds"]}
+    return {"curve": curve, "bytes_up": sum(r["bytes_up"] for r in res["rounds"].values()), "rounds": res["rounds"],
+            "start": t0}
+
+
+def flower_breakdown(fl: dict, model_bytes: int, rate_mbit: float, rtt_ms: float) -> list[dict]:
+    """Flower's rounds split into link, compute and the rest (per-message cost: process start,
+    imports, model load, Flower's delivery): the link is the nominal time of its three model
+    transfers per site in a round (train down, train up, evaluate down; the sites' links run in
+    parallel) plus a round trip each; compute is the slowest site's training and evaluation loops."""
+    link_s = 3 * (model_bytes * 8 / (rate_mbit * 1e6) + rtt_ms / 1e3)
+    out, prev = [], fl["start"]
+    for key, r in sorted(fl["rounds"].items(), key=lambda kv: int(kv[0])):
+        if "time" not in r:
+            continue
+        wall = r["time"] - prev
+        prev = r["time"]
+        compute = (r.get("train_s") or 0.0) + (r.get("eval_s") or 0.0)
+        out.append({"round": int(key), "round_s": round(wall, 2), "link_s": round(link_s, 2),
+                    "compute_s": round(compute, 2), "rest_s": round(wall - link_s - compute, 2)})
+    return out
+
+
+def ours_breakdown(ours: dict) -> list[dict]:
+    """Our rounds from their metrics lines: wall, the slowest site's transfers on the data path
+    (down, up), its trainer's seconds inside the round's calls and in the background (overlap),
+    and the per-message cost (timing.message_cost: launch, startup, handler, return; the slowest site)."""
+    out = []
+    for m in ours["lines"]:
+        sites = m.get("sites") or {}
+        cost = (m.get("timing") or {}).get("message_cost") or {}
+        worst = max(cost.values(), key=lambda c: c.get("total_s", 0.0), default={})
+        out.append({
+            "round": m["round"], "round_s": round(m.get("round_s") or 0.0, 2),
+            "local_steps": (m.get("round_plan") or {}).get("local_steps"),
+            "codec": (m.get("round_plan") or {}).get("codec"),
+            "link_s": round(max((v.get("bulk_down_s", 0.0) + v.get("bulk_up_s", 0.0) for v in sites.values()),
+                                default=0.0), 2),
+            "train_call_s": round(max((v.get("train_call_s") or 0.0 for v in sites.values()), default=0.0), 2),
+            "background_s": round(max((v.get("background_s") or 0.0 for v in sites.values()), default=0.0), 2),
+            "idle_fraction": round(max((v.get("idle_fraction") or 0.0 for v in sites.values()), default=0.0), 3),
+            "stages_s": {st["stage"]: st["seconds"] for st in (m.get("timing") or {}).get("stages", [])},
+            "message_cost": {k: round(v, 2) for k, v in worst.items() if isinstance(v, (int, float))}})
+    return out
 
 
 def run_ours(workdir: Path, config: Path, links: list[ShapedLink]) -> dict:
@@ -216,8 +259,36 @@ def run_ours(workdir: Path, config: Path, links: list[ShapedLink]) -> dict:
     plans = [m.get("round_plan") for m in lines]
     return {"curve": [(t, loss) for t, loss, _ in curve], "curve_rounds": [r for *_, r in curve],
             "bytes_up": sum(m.get("bytes_up", 0) for m in lines), "round_plans": plans,
-            "links": lines[0].get("links") if lines else None, "result": result,
+            "links": lines[0].get("links") if lines else None, "result": result, "lines": lines,
             "idle_fraction": [{k: v.get("idle_fraction") for k, v in m.get("sites", {}).items()} for m in lines]}
+
+
+class LoadSampler:
+    """The machine's 1-minute load average every 5 s while one side runs: the two sides run one after
+    the other on a machine shared with other jobs, so each side's figure says what it ran against."""
+
+    def __init__(self):
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(5.0):
+            self.samples.append(os.getloadavg()[0])
+
+    def __enter__(self) -> "LoadSampler":
+        self.start = os.getloadavg()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.end = os.getloadavg()
+
+    def summary(self) -> dict:
+        s = self.samples or [self.start[0]]
+        return {"start": self.start, "end": self.end, "mean_1min": round(sum(s) / len(s), 2), "max_1min": max(s)}
 
 
 def time_to(curve: list[tuple[float, float]], target: float) -> float:
@@ -241,6 +312,8 @@ def main() -> int:
     ap.add_argument("--codecs", default="int8:clip={clip},randk:0.1+int8:clip={clip},randk:0.01+int8:clip={clip}",
                     help="ours: the ladder round_target_s chooses from (link.codecs), least lossy first; {clip} is "
                          "--secagg-clip. Dense is left out: the pseudo-gradients always travel compressed")
+    ap.add_argument("--downlink-codec", default="int8", help="ours: federation.downlink_codec (the global model's "
+                    "steps to the sites; 'identity': the dense model every message, as Flower sends it)")
     ap.add_argument("--secagg-clip", type=float, default=0.05, help="ours: SecAgg+'s clip (and the int8 codecs')")
     ap.add_argument("--text-kb", type=int, default=90, help="kB of stdlib text per site (90%% train, 10%% val)")
     ap.add_argument("--seed", type=int, default=0)
@@ -279,13 +352,19 @@ def main() -> int:
             wd = workdir / key.replace("/", "-")
             if not args.skip_flower:
                 t = time.monotonic()
-                entry["flower"] = run_flower(wd, workdir / "data", model_dir, links, args)
-                print(f"# flower {key}: run {time.monotonic() - t:.0f}s; curve {entry['flower']['curve']}", flush=True)
+                with LoadSampler() as load:
+                    entry["flower"] = run_flower(wd, workdir / "data", model_dir, links, args)
+                entry["flower"]["load"] = load.summary()
+                print(f"# flower {key}: run {time.monotonic() - t:.0f}s; load {load.summary()}; "
+                      f"curve {entry['flower']['curve']}", flush=True)
             if not args.skip_ours:
                 t = time.monotonic()
                 wd.mkdir(parents=True, exist_ok=True)
-                entry["ours"] = run_ours(wd, our_config(wd / "ours.yaml", workdir, model_dir, args), links)
-                print(f"# ours {key}: run {time.monotonic() - t:.0f}s; curve {entry['ours']['curve']}", flush=True)
+                with LoadSampler() as load:
+                    entry["ours"] = run_ours(wd, our_config(wd / "ours.yaml", workdir, model_dir, args), links)
+                entry["ours"]["load"] = load.summary()
+                print(f"# ours {key}: run {time.monotonic() - t:.0f}s; load {load.summary()}; "
+                      f"curve {entry['ours']['curve']}", flush=True)
         fl, ours = entry.get("flower"), entry.get("ours")
         target = fl["curve"][-1][1] if fl and fl["curve"] else None
         flower_s = fl["curve"][-1][0] if fl and fl["curve"] else math.nan
@@ -293,6 +372,16 @@ def main() -> int:
             ours_s = time_to(ours["curve"], target) if target is not None else ours["curve"][-1][0]
         else:
             ours_s = math.nan
+        if fl:
+            entry["flower_breakdown"] = flower_breakdown(fl, 4 * n_params, rate, rtt)
+            for b in entry["flower_breakdown"]:
+                print(f"# flower {key} round {b['round']}: {b['round_s']}s = link {b['link_s']}s (nominal) + compute "
+                      f"{b['compute_s']}s (slowest site's train + eval loops) + rest {b['rest_s']}s", flush=True)
+        if ours:
+            entry["ours_breakdown"] = ours_breakdown(ours)
+            for b in entry["ours_breakdown"]:
+                print(f"# ours {key} round {b['round']}: {json.dumps(b)}", flush=True)
+            ours.pop("lines", None)
         entry.update(target_loss=target, flower_s=flower_s, ours_s=ours_s,
                      ours_final_loss=ours["curve"][-1][1] if ours and ours["curve"] else None)
         report["links"][key] = entry
