@@ -77,6 +77,21 @@ def test_the_round_s_fixed_cost_comes_off_the_steps_not_the_link_s_share():
     assert "the round's fixed 3.00s" in c.reason
 
 
+def test_under_overlap_the_steps_get_the_whole_target():
+    # as above, but the site trains while its update travels and the coordinator works
+    # (site_trainer/overlap.py): a round takes about max(transfer + fixed, steps x step), so neither
+    # the 0.66 s transfer nor the 3 s fixed cost comes off the steps
+    c = choose(1, 10.0, {"a": link(1000, rtt_ms=10)}, {"a": 0.1}, LADDER, UP, 40 * MB, fixed_s=3.0, overlap=True)
+    assert c.codec == "float32" and c.fixed_s == 3.0
+    assert c.local_steps == 100  # floor(10 / 0.1)
+    assert c.compute_s == pytest.approx(10.0)
+    assert "overlap" in c.reason and "fills the 10.00s target" in c.reason
+    # the codec's rule is the same: the slow site's transfer still has to fit its share
+    c = choose(2, 10.0, {"a": link(1000), "b": link(100)}, {"a": 0.5, "b": 0.01}, LADDER, UP, 40 * MB,
+               fixed_s=2.0, overlap=True)
+    assert c.codec == "int8" and c.local_steps == 20  # a: floor(10 / 0.5)
+
+
 def test_a_flower_path_s_round_trip_is_the_round_s_fixed_cost_not_the_link_s():
     # through Flower the RTT (seconds of message delivery) is in fixed_s; only the bytes' time is the link's
     flower = LinkFigures("flower", rtt_ms=6900.0, up_mbit=100.0, down_mbit=100.0)
@@ -151,6 +166,12 @@ def test_the_planner_reads_step_times_and_sizes_from_the_history():
     planner.progress = lines.append
     c = planner.choose(3, ["a", "b"], {"a": link(1000), "b": link(1000)}, history, 10_000_000, 40_000_000)
     assert planner.choices[3] is c and lines and "round 3: round target 10s" in lines[0]
+    assert "overlap" not in c.reason
+    # federation.overlap reaches the rule: the steps are not cut by the fixed cost
+    overlapped = RoundPlanner(ExperimentConfig.model_validate({**cfg.model_dump(), "federation": {
+        **cfg.federation.model_dump(), "overlap": True}}), lambda line: None)
+    o = overlapped.choose(3, ["a", "b"], {"a": link(1000), "b": link(1000)}, history, 10_000_000, 40_000_000)
+    assert "overlap" in o.reason and o.local_steps > c.local_steps
 
 
 def _config(federation: dict, **site):

@@ -72,6 +72,7 @@ def train(msg: Message, context: Context) -> Message:
     model.train()
     losses = []
     bs = int(cfg["batch-size"])
+    t0 = time.monotonic()
     for _ in range(int(cfg["local-steps"])):
         idx = torch.randint(len(data), (bs,), generator=g)
         loss = _loss(model, data[idx])
@@ -80,7 +81,8 @@ def train(msg: Message, context: Context) -> Message:
         opt.step()
         losses.append(float(loss))
     content = RecordDict({"arrays": ArrayRecord(model.state_dict()),
-                          "metrics": MetricRecord({"num-examples": int(len(data)), "train_loss": float(np.mean(losses))})})
+                          "metrics": MetricRecord({"num-examples": int(len(data)), "train_loss": float(np.mean(losses)),
+                                                      "train-s": time.monotonic() - t0})})
     return Message(content, reply_to=msg)
 
 
@@ -93,12 +95,21 @@ def evaluate(msg: Message, context: Context) -> Message:
     data = _windows(str(cfg["model-dir"]), str(node["data-dir"]), "val", int(cfg["seq-len"]))
     model.eval()
     total = 0.0
+    t0 = time.monotonic()
     with torch.no_grad():
         for i in range(0, len(data), 8):
             b = data[i:i + 8]
             total += float(_loss(model, b)) * len(b)
-    content = RecordDict({"metrics": MetricRecord({"num-examples": int(len(data)), "eval_loss": total / max(1, len(data))})})
+    content = RecordDict({"metrics": MetricRecord({"num-examples": int(len(data)), "eval_loss": total / max(1, len(data)),
+                                                      "eval-s": time.monotonic() - t0})})
     return Message(content, reply_to=msg)
+
+
+def _slowest(replies, key: str) -> float | None:
+    """The slowest site's seconds of its training (or evaluation) loop: a round's compute, for the
+    benchmark's split of a round into link, compute and per-message cost."""
+    got = [float(m.content["metrics"][key]) for m in replies if m.has_content() and key in m.content["metrics"]]
+    return max(got) if got else None
 
 
 class TimedFedAvg(FedAvg):
@@ -111,14 +122,15 @@ class TimedFedAvg(FedAvg):
     def aggregate_train(self, server_round, replies):  # type: ignore[no-untyped-def]
         replies = list(replies)
         up = sum(len(a.data) for m in replies if m.has_content() for a in m.content["arrays"].values())
-        self.rounds[server_round] = {"bytes_up": up, "train_replies": len(replies), "train_done": time.time()}
+        self.rounds[server_round] = {"bytes_up": up, "train_replies": len(replies), "train_done": time.time(),
+                                     "train_s": _slowest(replies, "train-s")}
         return super().aggregate_train(server_round, replies)
 
     def aggregate_evaluate(self, server_round, replies):  # type: ignore[no-untyped-def]
         replies = list(replies)
         out = super().aggregate_evaluate(server_round, replies)
         self.rounds[server_round].update(time=time.time(), eval_loss=float(out["eval_loss"]) if out else None,
-                                         eval_replies=len(replies))
+                                         eval_replies=len(replies), eval_s=_slowest(replies, "eval-s"))
         return out
 
 

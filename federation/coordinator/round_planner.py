@@ -83,7 +83,7 @@ class RoundPlanner:
                         self.step_times(history), self.ladder, up, down if down is not None else float(dense_bytes),
                         link_share=self.fed.link.link_share, min_steps=self.fed.link.min_local_steps,
                         max_steps=self.fed.link.max_local_steps, fallback_codec=self.fed.codec,
-                        fixed_s=self.fixed_s(history))
+                        fixed_s=self.fixed_s(history), overlap=self.fed.overlap)
         self.choices[rnd] = choice
         self.progress(f"round {rnd}: round target {self.fed.round_target_s:g}s: {choice.reason}")
         return choice
