@@ -212,3 +212,37 @@ def test_plain_round_stream_matches_the_in_memory_fold(pki, tmp_path):
     got = out.mean.result()
     assert all(got[k].tobytes() == want[k].tobytes() for k in want)
     assert bf16_to_float32(ups[0][1]["b"]).dtype == got["b"].dtype  # bf16 words averaged as float32
+
+
+def test_tied_tensors_are_not_stepped_twice(tmp_path):
+    """Two names over one buffer (tied weights): the step is not written in place."""
+    buf = np.ones(8, np.float32)
+    model = {"a": buf, "b": buf}
+    spec = {"a": ("<f4", (8,)), "b": ("<f4", (8,))}
+    sm = SpilledMean(spec, tmp_path)
+    sm.add_arrays("s", {"a": np.full(8, 2, np.float32), "b": np.full(8, 2, np.float32)}, 1)
+    got = ServerOptimizer("fedavg", "delta", 1.0).step(model, sm, in_place=True)
+    assert got["a"].tolist() == [3.0] * 8 and got["b"].tolist() == [3.0] * 8 and buf.tolist() == [1.0] * 8
+    got = ServerOptimizer("fedavg", "delta", 1.0).step(model, {"a": np.ones(8, np.float32), "b": np.ones(8, np.float32)},
+                                                       in_place=True)
+    assert got["a"].tolist() == [2.0] * 8 and buf.tolist() == [1.0] * 8
+
+
+def test_checkpoint_file_is_written_tensor_by_tensor_and_is_safetensors_bytes(tmp_path):
+    from safetensors.numpy import load
+
+    from federation.coordinator.checkpoint import encode_arrays, write_arrays
+    rng = np.random.default_rng(0)
+    arrays = {"b": rng.standard_normal((3, 5)).astype(np.float32), "a": np.arange(7, dtype=np.int64),
+              "c": np.array(2.5, np.float32), "d": np.zeros((0, 3), np.float32), "e": np.array([1, 2], "<u2"),
+              "f": np.array([True, False]), "g": rng.standard_normal((4, 6)).astype(np.float32)[:, ::2],
+              "h": np.arange(3, dtype=np.uint8), "i": np.arange(3, dtype=np.float64), "j": np.arange(2, dtype=np.uint64),
+              "k": np.arange(3, dtype=np.int32), "l": np.arange(3, dtype=np.float16), "m": np.arange(3, dtype=np.uint32),
+              "n": np.arange(3, dtype=np.int8), "o": np.arange(3, dtype=np.int16)}
+    entry = write_arrays(tmp_path / "x.safetensors", arrays)
+    raw = (tmp_path / "x.safetensors").read_bytes()
+    assert raw == encode_arrays(arrays) and entry["bytes"] == len(raw)
+    import hashlib
+    assert entry["sha256"] == hashlib.sha256(raw).hexdigest()
+    back = load(raw)
+    assert all(back[k].dtype == arrays[k].dtype and np.array_equal(back[k], arrays[k]) for k in arrays)

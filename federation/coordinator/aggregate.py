@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from federation.coordinator.spilled_mean import SpilledMean, writable_f32
+from federation.coordinator.spilled_mean import SpilledMean, disjoint, writable_f32
 from federation.protocol.codecs import Arrays
 
 
@@ -96,6 +96,7 @@ class ServerOptimizer:
             mean_update = mean_update.result()
         if self.strategy == "fedavg":  # the commonest case, tensor by tensor: the peak is one tensor over model + mean
             out = {}
+            in_place = in_place and disjoint(model)
             for k in model:
                 u = mean_update.pop(k) if consume else mean_update[k]
                 m = model[k]

@@ -43,6 +43,27 @@ def _dropper(mm: mmap.mmap | None):
     return drop
 
 
+class PageDropper:
+    """Drops the pages under a read-only array that views a mapped upload (no-op otherwise): called
+    on each piece of a reply once it is read, so a large reply's file pages never add up in this
+    process's memory."""
+
+    def __init__(self) -> None:
+        self._bases: dict[int, tuple[mmap.mmap, int]] = {}
+
+    def __call__(self, arr: np.ndarray) -> None:
+        mm = _mapping_of(arr)
+        if mm is None or not arr.nbytes or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        key = id(mm)
+        if key not in self._bases:
+            self._bases[key] = (mm, np.frombuffer(mm, np.uint8).ctypes.data)
+        mm, base = self._bases[key]
+        lo = arr.ctypes.data - base
+        if 0 <= lo and lo + arr.nbytes <= len(mm):
+            _dropper(mm)(lo, lo + arr.nbytes)
+
+
 class CoordinatorProtection:
     """`Stage` that opens envelopes with the coordinator's bundle; one replay guard per run, so a
     (run, round, site) envelope opens once."""

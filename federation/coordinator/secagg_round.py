@@ -96,6 +96,7 @@ from crypto.secagg import (
 from crypto.secagg import wire as secagg_wire
 from crypto.secagg.signing import verify
 from federation.config.schema import FederationConfig
+from federation.coordinator.envelope_opener import PageDropper
 from federation.coordinator.strategy import Exchange, ExchangeResult, Reply, RoundInput, RoundOutcome, Step, site_metrics
 from federation.protocol.codecs import Arrays, UpdateSpec, parse_codec
 from federation.protocol.message_keys import MASKED_INPUT, SECAGG, SECAGG_SETUP, SETUP, STAGE_NAMES, STATUS, UNMASK
@@ -379,13 +380,18 @@ class SecAggRound:
         node = reply.node
         try:
             rec = check_reply(reply.message, MASKED_INPUT, st.ctx)
-            chunks = parse_chunks(reply.message, st.vector_len + 1, st.server.params.codec.bits)
+            # checked whole, then added chunk by chunk: one chunk's words at a time, and the pages of
+            # a reply resolved from the data path dropped as they are read (issue 19's memory model)
+            chunks = parse_chunks(reply.message, st.vector_len + 1, st.server.params.codec.bits, unpack=False)
+            drop = PageDropper()
             manifest = ChunkManifest()
             for c in chunks:
-                manifest.add(c.offset, c.words.shape[0], c.packed)
+                manifest.add(c.offset, c.count, c.packed)
+                drop(c.packed)
             self.sigs.check(signature_of(rec), manifest.encode(), st.ctx, MASKED_INPUT, st.names[node])
             for c in chunks:
-                st.server.add_masked_chunk(st.ids[node], c.offset, c.words)
+                st.server.add_masked_chunk(st.ids[node], c.offset, c.unpacked())
+                drop(c.packed)
         except SecAggMessageError as err:  # add_masked_chunk cannot fail after parse_chunks; if it did, stage 3 aborts
             self._reject(st, reply.name, err)
             return

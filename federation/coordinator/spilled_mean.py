@@ -81,6 +81,14 @@ def writable_f32(a: np.ndarray) -> bool:
     return isinstance(a, np.ndarray) and a.dtype == np.float32 and a.flags.writeable and a.flags.c_contiguous
 
 
+def disjoint(model: Arrays) -> bool:
+    """Whether no two tensors of `model` share memory (tied weights as one buffer would take a
+    step twice if each were written in place)."""
+    spans = sorted((a.__array_interface__["data"][0], a.nbytes) for a in model.values()
+                   if isinstance(a, np.ndarray) and a.nbytes)
+    return all(start + n <= nxt for (start, n), (nxt, _) in zip(spans, spans[1:]))
+
+
 def clear_stale(directory: Path) -> None:
     """Delete the update files a coordinator that stopped mid-round left in `directory`."""
     if directory.is_dir():
@@ -235,6 +243,7 @@ class SpilledMean:
         second model-sized buffer is made (a tensor that is not a writable float32 array gets a new
         one). The files are deleted."""
         out = dict(model)
+        in_place = in_place and disjoint(model)
         for name in self.master:
             if not (in_place and writable_f32(model[name])):
                 out[name] = np.empty(model[name].shape, np.float32)
