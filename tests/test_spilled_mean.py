@@ -246,3 +246,67 @@ def test_checkpoint_file_is_written_tensor_by_tensor_and_is_safetensors_bytes(tm
     assert entry["sha256"] == hashlib.sha256(raw).hexdigest()
     back = load(raw)
     assert all(back[k].dtype == arrays[k].dtype and np.array_equal(back[k], arrays[k]) for k in arrays)
+
+
+def test_stream_path_fuzz_hostile_but_signed_layouts_and_flipped_bytes(pki, tmp_path):
+    """A few hundred hostile inputs through the streamed path: signed layouts that lie (offsets past
+    the payload, huge shapes, wrong dtypes, junk JSON) and flipped envelope bytes. Each is refused by
+    a reason and counted; nothing is left on disk; no exception escapes the round."""
+    import json
+
+    from federation.protocol.envelope_layout import as_payload
+    from federation.protocol.pipeline import Payload
+    rng = np.random.default_rng(7)
+    rnd, inp, _, coord = _plain_round(pki, tmp_path, seal=True)
+    site = SiteBundle.load(pki / "sites" / "site0")
+    good = _update(5)
+    layout = [[k, v.dtype.str, list(v.shape), 0] for k, v in good.items()]
+    total = sum(v.nbytes for v in good.values())
+
+    def hostile_meta(i: int) -> bytes:
+        lay = [list(e) for e in layout]
+        off = 0
+        for e in lay:
+            e[3] = off
+            off += int(np.prod(e[2], dtype=np.int64)) * np.dtype(e[1]).itemsize
+        e = lay[int(rng.integers(len(lay)))]
+        kind = i % 7
+        if kind == 0:
+            e[3] = int(rng.integers(total, 2**62))
+        elif kind == 1:
+            e[2] = [int(rng.integers(1, 2**31)), int(rng.integers(1, 2**31))]
+        elif kind == 2:
+            e[1] = str(rng.choice(["|O", "<c8", "S4", "<f4x", "<i8"]))
+        elif kind == 3:
+            e[0] = "other"
+        elif kind == 4:
+            lay = lay[:-1]
+        elif kind == 5:
+            return bytes(rng.integers(0, 256, int(rng.integers(0, 40)), dtype=np.uint8))
+        else:
+            e[2] = [-1]
+        return json.dumps({"layout": lay, "meta": {}}).encode()
+
+    refused = 0
+    for i in range(140):
+        st = rnd.begin(inp)
+        ctx = RoundContext(coord.federation_id, 1, 1, "site0")
+        body = np.concatenate([np.ascontiguousarray(v).reshape(-1).view(np.uint8) for v in good.values()])
+        env = make_envelope(body, signing_key=site.sign_key, federation_id=coord.federation_id, run_id=1, round=1,
+                            site="site0", seal_to=site.coordinator_seal_public, meta=hostile_meta(i), chunk_size=4096)
+        rnd.replay = ReplayGuard()
+        st.stream.replay = rnd.replay
+        rnd.receive_update(st, _reply("site0", 1, as_payload(env), 3))
+        refused += sum(st.out.rejections.values())
+        assert list((tmp_path / "spill").iterdir()) == []
+    for i in range(60):  # flipped bytes anywhere in a genuine sealed envelope
+        st = rnd.begin(inp)
+        st.stream.replay = ReplayGuard()
+        wire = _sealed(pki, "site0", RoundContext(coord.federation_id, 1, 1, ""), good)
+        arr = wire.arrays["envelope"].copy()
+        arr[int(rng.integers(len(arr)))] ^= int(rng.integers(1, 256))
+        wire = Payload({"envelope": arr}, dict(wire.meta))
+        rnd.receive_update(st, _reply("site0", 1, wire, 3))
+        assert sum(st.out.rejections.values()) == 1 and st.mean.count == 0
+        assert list((tmp_path / "spill").iterdir()) == []
+    assert refused == 140
