@@ -310,3 +310,23 @@ def test_stream_path_fuzz_hostile_but_signed_layouts_and_flipped_bytes(pki, tmp_
         assert sum(st.out.rejections.values()) == 1 and st.mean.count == 0
         assert list((tmp_path / "spill").iterdir()) == []
     assert refused == 140
+
+
+def test_a_full_spill_disk_refuses_the_update_by_name_and_the_round_goes_on(pki, tmp_path, monkeypatch):
+    import errno
+
+    import federation.coordinator.envelope_opener as opener
+    rnd, inp, _, coord = _plain_round(pki, tmp_path)
+    st = rnd.begin(inp)
+    ctx = RoundContext(coord.federation_id, 1, 1, "")
+    wire0, wire1 = _sealed(pki, "site0", ctx, _update(1)), _sealed(pki, "site1", ctx, _update(2))
+
+    def full(*a):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    with monkeypatch.context() as m:
+        m.setattr(opener.os, "pwrite", full)
+        rnd.receive_update(st, _reply("site0", 1, wire0, 4))
+    rnd.receive_update(st, _reply("site1", 2, wire1, 4))
+    out = rnd.finish(st)
+    assert out.rejections == {"spill_failed": 1} and "free disk space" in out.failed["site0"] and out.count == 1
+    assert [p.name.split("-")[0] for p in (tmp_path / "spill").iterdir()] == ["site1"]

@@ -98,6 +98,12 @@ class PlainRound:
                 st.mean.discard(path)
             st.out.reject(reply.name, err.reason, err.detail)
             return
+        except OSError as err:  # the spill directory: full or unwritable disk; the round goes on without it
+            if path is not None:
+                st.mean.discard(path)
+            st.out.reject(reply.name, "spill_failed", f"could not write the update under {st.mean.directory}: "
+                          f"{err}; free disk space there (an update needs its own size until the round ends)")
+            return
         except BaseException:
             if path is not None:
                 st.mean.discard(path)
