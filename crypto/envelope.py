@@ -469,6 +469,28 @@ def open_envelope(
     Checks, cheapest first: header syntax, federation/run/round, sender known and not revoked,
     Ed25519 signature, replay, recipient, AES-GCM chunk tags, payload digest.
     """
+    h, hbytes, body = _checked_header(envelope, trust=trust, federation_id=federation_id, run_id=run_id,
+                                      round=round, require_sealed=require_sealed, channels=channels,
+                                      max_payload=max_payload)
+    if replay is not None:
+        replay.reserve(h)
+    accepted = False
+    try:
+        payload = _unseal(h, hbytes, body, recipient_key, workers, out) if h.sealed else np.frombuffer(body, np.uint8)
+        if tree_digest(payload, alg=h.digest_alg, chunk_size=h.chunk_size, workers=workers) != h.digest:
+            raise DigestMismatch("payload does not match the signed digest")
+        accepted = True
+        return OpenedEnvelope(h, payload)
+    finally:
+        if replay is not None:
+            replay.release(h, accepted=accepted)
+
+
+def _checked_header(
+    envelope: Envelope, *, trust: KeyLookup, federation_id: str, run_id: str | int | None, round: int | None,
+    require_sealed: bool, channels: Sequence[str] | None, max_payload: int | None,
+) -> tuple[EnvelopeHeader, bytes, memoryview]:
+    """Every check of an envelope short of its payload (see open_envelope): header, body view."""
     hbytes = _bytes_of(envelope.header, "envelope header")
     signature = _bytes_of(envelope.signature, "envelope signature")
     try:
@@ -504,19 +526,95 @@ def open_envelope(
         raise MalformedEnvelope(f"envelope body: {exc}") from None
     if len(body) != h.body_len:
         raise MalformedEnvelope(f"body is {len(body)} bytes, header says {h.body_len} (truncated or padded)")
+    return h, hbytes, body
 
+
+def open_envelope_stream(
+    envelope: Envelope,
+    sink: Callable[[int, memoryview], None],
+    *,
+    trust: KeyLookup,
+    federation_id: str,
+    run_id: str | int | None = None,
+    round: int | None = None,
+    replay: ReplayGuard | None = None,
+    recipient_key: x25519.X25519PrivateKey | None = None,
+    require_sealed: bool = False,
+    channels: Sequence[str] | None = None,
+    max_payload: int | None = None,
+    workers: int = DEFAULT_WORKERS,
+    done_with: Callable[[int, int], None] | None = None,
+) -> EnvelopeHeader:
+    """`open_envelope` in a bounded window: the payload is handed to `sink(offset, bytes)` in order,
+    `workers` chunks at a time, and never held whole, so a receiver can write a large update
+    where it wants it (a file) without a plaintext copy of its size. `done_with(lo, hi)` is told
+    each body range that was read (a receiver reading a mapped file drops those pages).
+
+    The same checks and errors as `open_envelope`, but what reached `sink` is authenticated only
+    when this returns: on any EnvelopeError the receiver must discard everything it was given
+    (the tree digest over all chunks, and the final chunk's AAD flag, are checked at the end)."""
+    h, hbytes, body = _checked_header(envelope, trust=trust, federation_id=federation_id, run_id=run_id,
+                                      round=round, require_sealed=require_sealed, channels=channels,
+                                      max_payload=max_payload)
     if replay is not None:
         replay.reserve(h)
     accepted = False
     try:
-        payload = _unseal(h, hbytes, body, recipient_key, workers, out) if h.sealed else np.frombuffer(body, np.uint8)
-        if tree_digest(payload, alg=h.digest_alg, chunk_size=h.chunk_size, workers=workers) != h.digest:
+        n, cs, k = h.payload_len, h.chunk_size, h.n_chunks
+        aead, hh = (_aead_of(h, recipient_key), hashlib.sha256(hbytes).digest()) if h.sealed else (None, b"")
+        width = max(1, workers)
+        tag = TAG_BYTES if h.sealed else 0
+        windows = [np.empty(min(cs, n), np.uint8) for _ in range(min(width, k))] if aead is not None else []
+        leaves: list[bytes] = []
+
+        def one(j: int, i: int) -> tuple[memoryview, bytes]:
+            lo, hi = i * cs, min(n, (i + 1) * cs)
+            src = body[lo + i * tag:hi + (i + 1) * tag]
+            if aead is None:
+                plain = src
+            else:
+                plain = memoryview(windows[j])[:hi - lo]
+                aead.decrypt_into(_chunk_nonce(i), src, _chunk_aad(hh, i, i == k - 1), plain)
+            return plain, _leaf_digest(h.digest_alg, plain)
+
+        try:
+            for first in range(0, k, width):
+                batch = list(range(first, min(k, first + width)))
+                done = _map(lambda j: one(j, batch[j]), len(batch), workers)
+                for i, (plain, leaf) in zip(batch, done):
+                    leaves.append(leaf)
+                    sink(i * cs, plain)
+                if done_with is not None:
+                    done_with(first * (cs + tag), min(len(body), (batch[-1] + 1) * (cs + tag)))
+        except InvalidTag as exc:
+            raise DecryptionFailed("AES-GCM tag check failed (tampered, reordered or truncated)") from exc
+        finally:
+            for w in windows:
+                w[:] = 0  # no unauthenticated plaintext left behind in our buffers
+        root = _new_hash(h.digest_alg)
+        root.update(b"\x01sovfl-tree-v1" + _u64(n) + _u64(cs))
+        for leaf in leaves:
+            root.update(leaf)
+        if root.digest() != h.digest:
             raise DigestMismatch("payload does not match the signed digest")
         accepted = True
-        return OpenedEnvelope(h, payload)
+        return h
     finally:
         if replay is not None:
             replay.release(h, accepted=accepted)
+
+
+def _aead_of(h: EnvelopeHeader, key: x25519.X25519PrivateKey | None) -> AESGCM:
+    """The AES-GCM key a sealed envelope's chunks open with (WrongRecipient, MalformedEnvelope)."""
+    if key is None:
+        raise WrongRecipient("envelope is sealed and no recipient key was given")
+    if _raw(key.public_key()) != h.recipient:
+        raise WrongRecipient("envelope is sealed to another key")
+    try:
+        shared = key.exchange(x25519.X25519PublicKey.from_public_bytes(h.ephemeral))
+    except ValueError as exc:  # low-order point
+        raise MalformedEnvelope("invalid ephemeral key") from exc
+    return AESGCM(_derive_key(shared, h.ephemeral, h.recipient))
 
 
 def _unseal(

@@ -36,6 +36,7 @@ from federation.protocol.message_keys import CONFIG, DISCOVER
 from federation.protocol.message_keys import SECAGG as RECORD
 from federation.protocol.message_keys import SECAGG_CHUNKS as CHUNKS
 from federation.protocol.message_keys import SECAGG_SETUP as SETUP_RECORD
+from federation.protocol import secagg_records
 from federation.protocol.secagg_records import parse_chunks, request_record
 
 RUN_ID = 4242
@@ -467,7 +468,11 @@ def test_values_vector_is_the_codec_value_order():
     np.testing.assert_array_equal(secagg_site.values_vector(payload), payload.arrays["values"])
 
 
-def test_parse_chunks_refuses_partial_or_overlapping_uploads():
+@pytest.mark.parametrize("unpack", [True, False], ids=["unpacked", "left-packed"])
+def test_parse_chunks_refuses_partial_or_overlapping_uploads(unpack):
+    def parse_chunks(reply, length, bits):  # the coordinator leaves them packed (one chunk unpacked at a time)
+        return secagg_records.parse_chunks(reply, length, bits, unpack=unpack)
+
     def reply(chunks, bits=32):
         rd = RecordDict({CHUNKS: ArrayRecord({f"{o:012d}": Array(ring.pack_words(np.asarray(w, dtype=np.uint32), bits))
                                               for o, w in chunks})})
@@ -475,7 +480,7 @@ def test_parse_chunks_refuses_partial_or_overlapping_uploads():
 
     assert [c.offset for c in parse_chunks(reply([(0, [1, 2]), (2, [3])]), 3, 32)] == [0, 2]
     got = parse_chunks(reply([(0, [1, 2, 3, 4, 5]), (5, [6])], 13), 6, 13)
-    assert np.concatenate([c.words for c in got]).tolist() == [1, 2, 3, 4, 5, 6]
+    assert np.concatenate([c.unpacked() for c in got]).tolist() == [1, 2, 3, 4, 5, 6]
     for chunks, length in (([(0, [1, 2])], 3), ([(0, [1, 2]), (1, [3, 4])], 3), ([(1, [1, 2])], 3)):
         with pytest.raises(Exception, match="cover|gap|overlap"):
             parse_chunks(reply(chunks), length, 32)

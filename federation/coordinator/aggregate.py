@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from federation.coordinator.spilled_mean import SpilledMean, disjoint, writable_f32
 from federation.protocol.codecs import Arrays
 
 
@@ -80,20 +81,37 @@ class ServerOptimizer:
     v: Arrays = field(default_factory=dict)
     buf: Arrays = field(default_factory=dict)  # diloco's momentum buffer, in the direction of the mean delta
 
-    def step(self, model: Arrays, mean_update: Arrays, consume: bool = False) -> Arrays:
+    def step(self, model: Arrays, mean_update: Arrays | SpilledMean, consume: bool = False,
+             in_place: bool = False) -> Arrays:
         """The next global model from the round's mean update (weights or delta, per update_kind).
         `consume`: FedAvg takes the mean's tensors out of `mean_update` as it goes (it is not needed
-        after), so the step never holds the old model, the whole mean and the whole new model."""
+        after). `in_place`: FedAvg writes the new model into the old model's float32 arrays (the
+        driver's: nothing else keeps the old model), and returns a new dict over them, so a step
+        never holds two models. A `SpilledMean` (the plain round's, on disk) is folded slice by
+        slice straight into the model for FedAvg; the other optimizers take its dense mean.
+        Either way the arithmetic is the same, element for element."""
+        if isinstance(mean_update, SpilledMean):
+            if self.strategy == "fedavg":
+                return mean_update.apply_fedavg(model, self.update_kind, self.lr, in_place=in_place)
+            mean_update = mean_update.result()
         if self.strategy == "fedavg":  # the commonest case, tensor by tensor: the peak is one tensor over model + mean
             out = {}
+            in_place = in_place and disjoint(model)
             for k in model:
                 u = mean_update.pop(k) if consume else mean_update[k]
-                if self.update_kind == "weights" and self.lr == 1.0:
+                m = model[k]
+                if in_place and writable_f32(m) and u.shape == m.shape:
+                    if self.update_kind == "weights" and self.lr == 1.0:
+                        np.copyto(m, u)
+                    else:
+                        np.add(m, self.lr * (u if self.update_kind == "delta" else u - m), out=m)
+                    out[k] = m
+                elif self.update_kind == "weights" and self.lr == 1.0:
                     out[k] = u.astype(np.float32, copy=not consume)
                 else:
-                    d = u if self.update_kind == "delta" else u - model[k]
-                    out[k] = (model[k] + self.lr * d).astype(np.float32, copy=False)
-                del u
+                    d = u if self.update_kind == "delta" else u - m
+                    out[k] = (m + self.lr * d).astype(np.float32, copy=False)
+                del u, m
             return out
         delta = mean_update if self.update_kind == "delta" else {k: mean_update[k] - model[k] for k in model}
         if self.strategy == "diloco":

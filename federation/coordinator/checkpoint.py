@@ -84,6 +84,49 @@ def encode_arrays(arrays: Mapping[str, np.ndarray]) -> bytes:
     return st_save(out)
 
 
+_ST_DTYPES = {"f2": "F16", "f4": "F32", "f8": "F64", "i1": "I8", "i2": "I16", "i4": "I32", "i8": "I64",
+              "u1": "U8", "u2": "U16", "u4": "U32", "u8": "U64", "b1": "BOOL"}
+# safetensors' own order of the tensors in a file: by dtype, this rank descending, then by name
+_ST_RANK = {c: i for i, c in enumerate(("BOOL", "U8", "I8", "I16", "U16", "F16", "I32", "U32", "F32", "F64",
+                                        "I64", "U64"))}
+
+
+def write_arrays(path: Path, arrays: Mapping[str, np.ndarray]) -> dict:
+    """`encode_arrays`' file written tensor by tensor, never as one buffer of the model's size (the
+    coordinator's memory at scale, issue 19): the safetensors layout (8-byte header length, JSON
+    header padded with spaces to 8 bytes, the tensors' bytes in the header's order, which is
+    safetensors' own: by dtype, then name), the same bytes as `encode_arrays`, fsynced; its manifest
+    entry."""
+    named = {}
+    for name, arr in arrays.items():
+        a = np.asarray(arr)
+        code = _ST_DTYPES.get(a.dtype.str[1:]) if a.dtype.byteorder in "<|=" else None
+        if a.dtype.kind not in "fiub" or code is None:
+            return _write_file(path, encode_arrays(arrays))  # what only safetensors' encoder knows (or refuses)
+        named[name] = (a, code)
+    order = sorted(named, key=lambda k: (-_ST_RANK[named[k][1]], k))
+    header, offset = {}, 0
+    for name in order:
+        a, code = named[name]
+        header[name] = {"dtype": code, "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    digest = hashlib.sha256()
+    with open(path, "wb") as f:
+        for part in (len(text).to_bytes(8, "little"), text):
+            f.write(part)
+            digest.update(part)
+        for name in order:
+            a = np.asarray(named[name][0], order="C")  # a copy only of a tensor that is not contiguous
+            view = memoryview(a.reshape(-1).view(np.uint8)) if a.size else memoryview(b"")
+            f.write(view)
+            digest.update(view)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"sha256": digest.hexdigest(), "bytes": 8 + len(text) + offset}
+
+
 class CheckpointStore:
     """The checkpoints of one run: write atomically, keep the newest `keep`, load the newest good one."""
 
@@ -115,7 +158,7 @@ class CheckpointStore:
             for group, named in arrays.items():
                 if not _GROUP.match(group):
                     raise CheckpointError(f"bad array group name {group!r}")
-                files[f"{group}.safetensors"] = _write_file(tmp / f"{group}.safetensors", encode_arrays(named))
+                files[f"{group}.safetensors"] = write_arrays(tmp / f"{group}.safetensors", named)
             files[STATE] = _write_file(tmp / STATE, json.dumps(state, sort_keys=True).encode())
             # safetensors stores names sorted; the order is part of a model (sites check it)
             order = {group: list(named) for group, named in arrays.items()}

@@ -126,7 +126,7 @@ class Coordinator:
                                    nesterov=self.fed.effective_server_nesterov)
         self.bundle = bundle
         self.replay = ReplayGuard()  # one per run: a (run, round, site) envelope opens once
-        self.protocol: Strategy = PlainRound(self.fed, bundle, self.replay)
+        self.protocol: Strategy = PlainRound(self.fed, bundle, self.replay, spill_dir=self.workdir / "spill")
         self.secagg = None
         if self.fed.secagg.enabled:
             from federation.coordinator.secagg_round import SecAggRound
@@ -718,7 +718,7 @@ class Coordinator:
                 1, sum(s.get("upload_bytes", dense) for s in out.per_site.values()))
         if out.mean is not None and out.count >= self.fed.quorum:
             t1 = time.monotonic()
-            self.model = self.opt.step(self.model, out.mean, consume=True)
+            self.model = self.opt.step(self.model, out.mean, consume=True, in_place=True)
             out.mean = None
             timing.update(optimizer_s=round(time.monotonic() - t1, 4))
             line["status"] = "aggregated"

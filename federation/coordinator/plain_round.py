@@ -2,17 +2,23 @@
 maybe sealed; not masked). Every update is decoded through the coordinator's side of the pipeline
 (open the envelope, then decode the codec), checked, and folded into a running weighted mean as
 soon as it is pulled, so the coordinator holds O(P) memory however many sites answer.
+
+Memory (issue 19): every checked update goes to a file of its own (spilled_mean.py) and the mean
+is folded from the files once the stage is over. A dense update in a signed or sealed envelope
+(no codec: the case at size) is opened chunk by chunk straight into its file, never held whole;
+a codec's payload (int8, top-k, ...) is decoded in memory as before, then spilled.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from crypto.envelope import ReplayGuard
 from crypto.pki import CoordinatorBundle
 from federation.config.schema import FederationConfig
-from federation.coordinator.aggregate import WeightedMean
 from federation.coordinator.envelope_opener import CoordinatorProtection
+from federation.coordinator.spilled_mean import SpilledMean, clear_stale
 from federation.coordinator.strategy import Exchange, ExchangeResult, Reply, RoundInput, RoundOutcome, Step, site_metrics
 from federation.protocol import message_keys as keys
 from federation.protocol.codecs import UpdateSpec
@@ -29,8 +35,9 @@ class PlainState:
 
     inp: RoundInput
     pipeline: Pipeline
+    mean: SpilledMean
     out: RoundOutcome = field(default_factory=lambda: RoundOutcome(None, 0))
-    mean: WeightedMean = field(default_factory=WeightedMean)
+    stream: CoordinatorProtection | None = None  # set when updates are opened straight into files
 
 
 class PlainRound:
@@ -38,8 +45,12 @@ class PlainRound:
 
     aborts: tuple[type[BaseException], ...] = ()
 
-    def __init__(self, fed: FederationConfig, bundle: CoordinatorBundle | None, replay: ReplayGuard):
+    def __init__(self, fed: FederationConfig, bundle: CoordinatorBundle | None, replay: ReplayGuard,
+                 spill_dir: Path | None = None):
         self.fed, self.bundle, self.replay = fed, bundle, replay
+        self.spill_dir = spill_dir  # where updates wait for the fold (None: the system's temp directory)
+        if spill_dir is not None:
+            clear_stale(spill_dir)
 
     def begin(self, inp: RoundInput) -> PlainState:
         """A fresh state, with the coordinator's side of the pipeline (its stages keep timings)."""
@@ -47,9 +58,12 @@ class PlainRound:
         codec = inp.codec or self.fed.codec  # the round's (round_target_s may choose it per round)
         if codec != "identity":
             stages.append(CodecStage.from_spec(codec, self.fed.error_feedback, layout=UpdateSpec.of(inp.model)))
+        protection = None
         if self.bundle is not None:
-            stages.append(CoordinatorProtection(self.bundle, require_sealed=self.fed.seal, replay=self.replay))
-        return PlainState(inp, Pipeline(tuple(stages)))
+            protection = CoordinatorProtection(self.bundle, require_sealed=self.fed.seal, replay=self.replay)
+            stages.append(protection)
+        stream = protection if codec == "identity" else None  # the dense payload is the update itself
+        return PlainState(inp, Pipeline(tuple(stages)), SpilledMean(inp.spec, self.spill_dir), stream=stream)
 
     def steps(self) -> tuple[Step[PlainState], ...]:
         """One stage: train."""
@@ -61,30 +75,56 @@ class PlainRound:
         return Exchange("train", "train", st.inp.nodes, st.inp.model_message(deadline), deadline)
 
     def receive_update(self, st: PlainState, reply: Reply) -> None:
-        """Decode, check and fold one site's update; a bad one is rejected with its reason."""
+        """Decode, check and spill one site's update; a bad one is rejected with its reason and
+        leaves nothing behind."""
         content = reply.message.content
+        path = None
         try:
-            # read-only views into the reply (a sealed body is decrypted straight from the data path's map)
+            # read-only views into the reply (a sealed body is read straight from the data path's map)
             payload = from_records(content, keys.UPDATE, keys.UPDATE_META, copy=False)
-            payload = st.pipeline.decode(payload, st.inp.ctx.for_site(reply.name))
-            arrays = to_master(payload.arrays, st.inp.spec)  # bf16 words: exact float32 (accumulated so)
-            check_update(arrays, master_spec(st.inp.spec))
-            n = num_examples(reply.status)  # StatusError (an UpdateRejected) if not an int
-            if n <= 0:
-                raise UpdateRejected("bad_num_examples", f"num_examples is {n}")
-            st.mean.add(arrays, n)
+            ctx = st.inp.ctx.for_site(reply.name)
+            if st.stream is not None:  # opened chunk by chunk into its file, checked there
+                path = st.mean.new_file(reply.name)
+                layout, _ = st.stream.decode_to_file(payload, ctx, path)
+                n = self._weight(reply)
+                st.mean.add_file(reply.name, path, layout, n)
+            else:
+                payload = st.pipeline.decode(payload, ctx)
+                arrays = to_master(payload.arrays, st.inp.spec)  # bf16 words: exact float32 (accumulated so)
+                check_update(arrays, master_spec(st.inp.spec))
+                st.mean.add_arrays(reply.name, arrays, self._weight(reply))
         except UpdateRejected as err:
+            if path is not None:
+                st.mean.discard(path)
             st.out.reject(reply.name, err.reason, err.detail)
             return
+        except OSError as err:  # the spill directory: full or unwritable disk; the round goes on without it
+            if path is not None:
+                st.mean.discard(path)
+            st.out.reject(reply.name, "spill_failed", f"could not write the update under {st.mean.directory}: "
+                          f"{err}; free disk space there (an update needs its own size until the round ends)")
+            return
+        except BaseException:
+            if path is not None:
+                st.mean.discard(path)
+            raise
         st.out.per_site[reply.name] = site_metrics(reply)
+
+    @staticmethod
+    def _weight(reply: Reply) -> int:
+        n = num_examples(reply.status)  # StatusError (an UpdateRejected) if not an int
+        if n <= 0:
+            raise UpdateRejected("bad_num_examples", f"num_examples is {n}")
+        return n
 
     def aggregate_train(self, st: PlainState, result: ExchangeResult) -> None:
         """The sites that did not answer, or answered with an error."""
         st.out.failed.update(result.failed)
 
     def finish(self, st: PlainState) -> RoundOutcome:
-        """The weighted mean of the usable updates (None if there is none)."""
+        """The weighted mean of the usable updates, still on disk (None if there is none): the
+        server optimizer folds it (`ServerOptimizer.step`)."""
         st.out.count = st.mean.count
-        st.out.mean = st.mean.result() if st.mean.count else None
+        st.out.mean = st.mean if st.mean.count else None
         st.out.extra["decode_s"] = sum(getattr(s, "decode_s", 0.0) for s in st.pipeline.stages)
         return st.out

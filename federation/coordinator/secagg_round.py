@@ -96,6 +96,7 @@ from crypto.secagg import (
 from crypto.secagg import wire as secagg_wire
 from crypto.secagg.signing import verify
 from federation.config.schema import FederationConfig
+from federation.coordinator.envelope_opener import PageDropper
 from federation.coordinator.strategy import Exchange, ExchangeResult, Reply, RoundInput, RoundOutcome, Step, site_metrics
 from federation.protocol.codecs import Arrays, UpdateSpec, parse_codec
 from federation.protocol.message_keys import MASKED_INPUT, SECAGG, SECAGG_SETUP, SETUP, STAGE_NAMES, STATUS, UNMASK
@@ -174,6 +175,22 @@ class PendingSetups:
         for r in [r for r in self.rounds if r < rnd]:
             del self.rounds[r]
         return self.rounds.pop(rnd, None)
+
+
+def in_ring_mean(result: secagg.SecAggResult, spec: UpdateSpec) -> Arrays:
+    """The dense mean update decoded into the unmasked sum's own P words (uint32 in, float32 out,
+    one chunk at a time: each chunk is read whole before its words are written), the tensors
+    views of them: the coordinator holds the ring once, not the ring, a flat mean and its tensors
+    (issue 19's memory model). `result.ring_sum` is spent after this."""
+    ring = result.ring_sum
+    if ring.dtype.itemsize != 4 or not ring.flags.c_contiguous or ring.shape != (spec.numel + 1,):
+        return spec.unflatten(result.decode())  # not 32-bit words: decode beside them
+    flat = result.decode(out=ring[:-1].view(np.float32))
+    out, offset = {}, 0
+    for name, shape, size in zip(spec.names, spec.shapes, spec.sizes):
+        out[name] = flat[offset:offset + size].reshape(shape)
+        offset += size
+    return out
 
 
 @dataclass
@@ -264,12 +281,13 @@ class SecAggRound:
         return (Step(self.configure_masked_input, self.aggregate_masked_input, self.receive_masked_input),
                 Step(self.configure_unmask, self.aggregate_unmask))
 
-    def layout(self, inp: RoundInput) -> tuple[int, Callable[[np.ndarray], Arrays]]:
-        """(value-vector length m, function mean values -> dense update) for this round's codec."""
+    def layout(self, inp: RoundInput) -> tuple[int, Callable[[np.ndarray], Arrays] | None]:
+        """(value-vector length m, function mean values -> dense update) for this round's codec;
+        None for a dense codec: its mean is decoded in the ring's own words (`in_ring_mean`)."""
         spec = UpdateSpec.of(inp.model)
         codec = parse_codec(inp.codec or self.fed.codec, error_feedback=self.fed.error_feedback)
         if codec.sparsifier is None:
-            return spec.numel, spec.unflatten
+            return spec.numel, None
         k = codec.sparsifier.k(spec.numel)
         ctx = inp.ctx.codec_round()
         meta = {"k": k, "seed": ctx.seed, "server_round": ctx.server_round}
@@ -362,13 +380,18 @@ class SecAggRound:
         node = reply.node
         try:
             rec = check_reply(reply.message, MASKED_INPUT, st.ctx)
-            chunks = parse_chunks(reply.message, st.vector_len + 1, st.server.params.codec.bits)
+            # checked whole, then added chunk by chunk: one chunk's words at a time, and the pages of
+            # a reply resolved from the data path dropped as they are read (issue 19's memory model)
+            chunks = parse_chunks(reply.message, st.vector_len + 1, st.server.params.codec.bits, unpack=False)
+            drop = PageDropper()
             manifest = ChunkManifest()
             for c in chunks:
-                manifest.add(c.offset, c.words.shape[0], c.packed)
+                manifest.add(c.offset, c.count, c.packed)
+                drop(c.packed)
             self.sigs.check(signature_of(rec), manifest.encode(), st.ctx, MASKED_INPUT, st.names[node])
             for c in chunks:
-                st.server.add_masked_chunk(st.ids[node], c.offset, c.words)
+                st.server.add_masked_chunk(st.ids[node], c.offset, c.unpacked())
+                drop(c.packed)
         except SecAggMessageError as err:  # add_masked_chunk cannot fail after parse_chunks; if it did, stage 3 aborts
             self._reject(st, reply.name, err)
             return
@@ -418,14 +441,17 @@ class SecAggRound:
         contributors = [names[i] for i in result.contributors]
         info.update(contributors=sorted(contributors), dropped=sorted(names[i] for i in result.dropped),
                     weight_total=result.weight_total, error_bound=result.error_bound(),
-                    ring_sum_sha256=hashlib.sha256(np.ascontiguousarray(result.ring_sum).tobytes()).hexdigest())
+                    ring_sum_sha256=hashlib.sha256(memoryview(np.ascontiguousarray(result.ring_sum))).hexdigest())
         # per_site holds train metrics of the sites whose masked input is in the sum, and only those
         out.per_site = {k: v for k, v in out.per_site.items() if k in contributors}
         late = {name: out.failed.pop(name) for name in out.per_site if name in out.failed}
         if late:  # vanished in stage 4: its masked input is in the sum, its seed was rebuilt from shares
             info["unmask_missing"] = late
         try:
-            mean = st.dense(result.decode())
+            if st.dense is None:  # a dense update: decoded into the ring's own words, tensors as views of them
+                mean = in_ring_mean(result, UpdateSpec.of(st.inp.model))
+            else:
+                mean = st.dense(result.decode())
             spec = master_spec(st.inp.spec)  # bf16 tensors are kept and averaged in float32
             mean = {k: v.astype(np.dtype(spec[k][0]), copy=False) for k, v in mean.items()}
             check_update(mean, spec)

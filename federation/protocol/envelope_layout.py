@@ -44,7 +44,14 @@ def pack(arrays: Arrays) -> tuple[np.ndarray, list]:
 
 def unpack(buf: np.ndarray, layout: list) -> Arrays:
     """The arrays `pack` laid out, as views of `buf`; UpdateRejected if the layout is unusable."""
-    out = {}
+    return {name: buf[off:off + math.prod(shape) * dt.itemsize].view(dt).reshape(shape)
+            for name, dt, shape, off in checked_layout(layout, len(buf))}
+
+
+def checked_layout(layout: list, size: int) -> list[tuple[str, np.dtype, tuple[int, ...], int]]:
+    """(name, dtype, shape, offset) of each array of a signed layout over a `size`-byte payload,
+    checked as `unpack` checks it (UpdateRejected "malformed"): for a payload read from a file."""
+    out = []
     try:
         for name, dtype, shape, off in layout:
             # only what `pack` writes ('<f4', '|u1', ...): numpy parses other strings with ast (SyntaxError)
@@ -55,9 +62,9 @@ def unpack(buf: np.ndarray, layout: list) -> Arrays:
                     and _is_count(off)):
                 raise ValueError(f"{str(name)[:40]} has no valid shape and offset")
             n = math.prod(shape) * dt.itemsize  # Python ints: a huge shape cannot wrap to a small size
-            if off + n > len(buf):
+            if off + n > size:
                 raise ValueError(f"{name} runs past the payload")
-            out[str(name)] = buf[off:off + n].view(dt).reshape(shape)
+            out.append((str(name), dt, tuple(shape), off))
     except (TypeError, ValueError) as err:
         raise UpdateRejected("malformed", f"signed payload layout is unusable: {err}") from None
     return out
@@ -71,12 +78,17 @@ def inner(payload: Payload) -> tuple[np.ndarray, bytes]:
 
 def from_inner(buf: np.ndarray, signed_meta: bytes) -> Payload:
     """Coordinator: the payload `inner` packed, from an opened envelope's buffer and signed meta."""
+    layout, meta = signed_layout(signed_meta)
+    return Payload(unpack(buf, layout), meta)
+
+
+def signed_layout(signed_meta: bytes) -> tuple[list, dict]:
+    """(layout, payload meta) of an envelope's signed metadata (UpdateRejected "malformed")."""
     try:
         doc = json.loads(signed_meta)
-        layout, meta = doc["layout"], dict(doc.get("meta", {}))
+        return doc["layout"], dict(doc.get("meta", {}))
     except (ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError, RecursionError) as err:
         raise UpdateRejected("malformed", f"signed metadata is not the expected JSON: {err}") from None
-    return Payload(unpack(buf, layout), meta)
 
 
 def as_payload(env: Envelope) -> Payload:

@@ -137,16 +137,25 @@ class Chunk:
     """One masked chunk of a stage-3 reply: its word offset, its words and its bytes on the wire."""
 
     offset: int
-    words: np.ndarray  # uint32, each < 2^bits
+    words: np.ndarray | None  # uint32, each < 2^bits (None from parse_chunks(unpack=False): `unpacked()`)
     packed: np.ndarray  # uint8, what travelled (and what the manifest hashes)
+    count: int = 0  # words in the chunk
+    bits: int = 32
+
+    def unpacked(self) -> np.ndarray:
+        """The chunk's words (unpacked now if parse_chunks left them packed; it checked they unpack)."""
+        return self.words if self.words is not None else ring.unpack_words(self.packed, self.bits, self.count)
 
 
-def parse_chunks(reply: Message, length: int, bits: int) -> list[Chunk]:
+def parse_chunks(reply: Message, length: int, bits: int, unpack: bool = True) -> list[Chunk]:
     """All masked chunks of a stage-3 reply, validated before any is added to the sum.
 
     They must be 1-D uint8 arrays, keyed by their word offset, that tile [0, length) exactly, each
     holding its words packed at `bits` bits with zero padding (ring.unpack_words): a site's vector
-    is added whole or not at all (a partial one could not be taken out of the sum again)."""
+    is added whole or not at all (a partial one could not be taken out of the sum again).
+    `unpack=False`: each chunk's packing is checked (its length and zero padding: what makes
+    `ring.unpack_words` fail) but its words are left packed, for the caller to unpack one chunk at a
+    time (`Chunk.unpacked`): a reply's words are then never held whole beside the sum."""
     rec = reply.content.array_records.get(keys.SECAGG_CHUNKS)
     if rec is None:
         raise MalformedMessageError(f"stage-3 reply without a '{keys.SECAGG_CHUNKS}' array record")
@@ -157,7 +166,7 @@ def parse_chunks(reply: Message, length: int, bits: int) -> list[Chunk]:
         if arr.dtype != "uint8" or len(arr.shape) != 1:
             raise MalformedMessageError(f"masked chunk {key} is {arr.dtype} {tuple(arr.shape)}, expected 1-D uint8")
         try:
-            packed = parse_array(arr, key)  # checked before the size its header claims is allocated
+            packed = parse_array(arr, key, copy=unpack)  # checked before its claimed size is allocated; unpack=False: a view
         except MalformedRecord as err:
             raise MalformedMessageError(f"masked chunk {key} does not parse ({err.detail})") from None
         if packed.dtype != np.uint8 or packed.ndim != 1 or packed.shape[0] == 0:
@@ -172,8 +181,18 @@ def parse_chunks(reply: Message, length: int, bits: int) -> list[Chunk]:
         if end <= off or end > length:
             raise MalformedMessageError(f"masked chunks overlap or run past the vector's {length} words at word {off}")
         try:
-            words = ring.unpack_words(packed, bits, end - off)
+            words = ring.unpack_words(packed, bits, end - off) if unpack else _check_packing(packed, bits, end - off)
         except ValueError as err:
             raise MalformedMessageError(f"masked chunk at {off} does not cover words [{off}, {end}) exactly: {err}") from None
-        chunks.append(Chunk(off, words, packed))
+        chunks.append(Chunk(off, words, packed, end - off, bits))
     return chunks
+
+
+def _check_packing(packed: np.ndarray, bits: int, count: int) -> None:
+    """What `ring.unpack_words` checks before it unpacks (ValueError): the length of `count` words at
+    `bits` bits, and zero padding bits after the last one."""
+    if packed.shape[0] != ring.packed_nbytes(count, bits):
+        raise ValueError(f"{packed.shape[0]} bytes cannot hold exactly {count} words of {bits} bits")
+    spare = count * bits % 8
+    if spare and int(packed[-1]) >> spare:
+        raise ValueError("the padding bits after the last word are not zero")
