@@ -315,11 +315,18 @@ def tree_digest(data: Any, *, alg: str = "sha256", chunk_size: int = DEFAULT_CHU
     n = len(mv)
     n_chunks = max(1, -(-n // chunk_size))
     leaves = _map(lambda i: _leaf_digest(alg, mv[i * chunk_size:(i + 1) * chunk_size]), n_chunks, workers)
-    root = _new_hash(alg)
-    root.update(b"\x01sovfl-tree-v1" + _u64(n) + _u64(chunk_size))
+    root = tree_root(alg, n, chunk_size)
     for leaf in leaves:
         root.update(leaf)
     return root.digest()
+
+
+def tree_root(alg: str, n: int, chunk_size: int) -> Any:
+    """The tree digest's root hash before its leaves: bound to the payload's length and chunking,
+    so one set of leaves cannot stand for another split. Feed it each chunk's leaf digest in order."""
+    root = _new_hash(alg)
+    root.update(b"\x01sovfl-tree-v1" + _u64(n) + _u64(chunk_size))
+    return root
 
 
 # -- sealing -----------------------------------------------------------------------------------
@@ -591,8 +598,7 @@ def open_envelope_stream(
         finally:
             for w in windows:
                 w[:] = 0  # no unauthenticated plaintext left behind in our buffers
-        root = _new_hash(h.digest_alg)
-        root.update(b"\x01sovfl-tree-v1" + _u64(n) + _u64(cs))
+        root = tree_root(h.digest_alg, n, cs)
         for leaf in leaves:
             root.update(leaf)
         if root.digest() != h.digest:

@@ -26,7 +26,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from crypto.envelope import (
     DEFAULT_CHUNK, DEFAULT_WORKERS, DIGEST_ALGS, MAX_CHUNK, MIN_CHUNK, NONCE_BYTES, TAG_BYTES, EnvelopeHeader,
-    _chunk_aad, _chunk_nonce, _derive_key, _leaf_digest, _new_hash, _raw, _u64,
+    _chunk_aad, _chunk_nonce, _derive_key, _leaf_digest, _raw, tree_root,
 )
 
 Read = Callable[[int, int], bytes | bytearray | memoryview]  # (offset, length) -> exactly `length` bytes
@@ -54,8 +54,7 @@ def tree_digest_stream(read: Read, n: int, *, alg: str = "sha256", chunk_size: i
     """`crypto.envelope.tree_digest` of the `n` bytes `read` returns, a window of chunks at a time."""
     if alg not in DIGEST_ALGS:
         raise ValueError(f"digest must be one of {DIGEST_ALGS}")
-    root = _new_hash(alg)
-    root.update(b"\x01sovfl-tree-v1" + _u64(n) + _u64(chunk_size))
+    root = tree_root(alg, n, chunk_size)
     for _, idx in _windows(n, chunk_size, workers):
         pieces = [_read_chunk(read, n, chunk_size, i) for i in idx]
         leaves = (pool.map(lambda p: _leaf_digest(alg, memoryview(p)), pieces) if pool is not None and len(pieces) > 1
