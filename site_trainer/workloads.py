@@ -8,6 +8,8 @@ parameters): for LoRA the adapters, initialised from the seed, never the frozen 
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 
 from site_trainer import layout
@@ -48,8 +50,38 @@ def coordinator_start(cfg: WorkloadConfig, seed: int) -> tuple[dict[str, np.ndar
     model, names = coordinator_model(cfg, seed)
     lay = layout.Layout.of(model, names)
     entries = layout.named_tensors(model)
-    initial = {s.name: layout.to_wire(entries[s.name].detach().cpu().contiguous()).copy() for s in lay.exchanged}
     digest = layout.FrozenDigest()
     for name in lay.frozen:
         digest.update(name, entries[name].detach().cpu())
-    return initial, lay.manifest(digest)
+    return _take_exchanged(entries, [s.name for s in lay.exchanged]), lay.manifest(digest)
+
+
+def _take_exchanged(entries: dict, names: list[str]) -> dict[str, np.ndarray]:
+    """Each exchanged tensor as an array of its own, its tensor's memory released as soon as no later
+    name shares it (tied weights do), so the coordinator never holds the model twice (issue 19: at
+    101M parameters the start-up was its peak, 1.75 x the model above a tiny one)."""
+    left = Counter(entries[n].untyped_storage().data_ptr() for n in names)
+    out = {}
+    for name in names:
+        t = entries[name].detach()
+        out[name] = _own_copy(t.cpu())
+        ptr = t.untyped_storage().data_ptr()
+        left[ptr] -= 1
+        if left[ptr] == 0 and t.device.type == "cpu":
+            try:
+                t.untyped_storage().resize_(0)
+            except RuntimeError:  # a storage that cannot shrink (e.g. mapped from a file) goes with the model
+                pass
+    return out
+
+
+def _own_copy(t) -> np.ndarray:
+    """A numpy array of its own holding `t` as it travels (raw words for bf16/fp16). Copied through
+    `torch.from_numpy` of the new array, never `t.numpy()`: exporting `t` to numpy would pin its
+    storage, which could then not be released."""
+    import torch
+
+    arr = np.empty(tuple(t.shape), layout.to_wire(torch.empty(0, dtype=t.dtype)).dtype)
+    dst = torch.from_numpy(arr)
+    (dst if dst.dtype == t.dtype else dst.view(t.dtype)).copy_(t)
+    return arr
