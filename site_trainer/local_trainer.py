@@ -114,6 +114,8 @@ class LocalTrainer:
                                device=self.device, describe={"compute": "bf16" if self.dtype else "fp32",
                                                              "loop": "task"})
         self._background_total: torch.Tensor | None = None  # [loss x samples, samples] of background steps
+        self._background_last = 0  # the schedule position background steps stop advancing at
+        self._answered_steps = self.cfg.site.local_steps  # local_steps of the last train round answered
         if self.dp is None:  # DP-SGD spends budget per round before its steps: no steps ahead of a request
             self.session.keep_training(self.background_step)
         if self.rank == 0:
@@ -270,13 +272,20 @@ class LocalTrainer:
     def background_step(self, round_no: int, first: bool) -> None:
         """Collective: one step of round `round_no` taken before its request arrived (federation.
         overlap, site_trainer/overlap.py); the first places the schedule and the batch stream at
-        that round's start, as `train` would. Its loss counts in that round's report."""
+        that round's start, as `train` would. Its loss counts in that round's report.
+
+        Steps past the answered round's `local_steps` L (federation.overlap_max_steps_factor above
+        1) keep the learning rate of the L-th, the position of round `round_no`'s last step if it
+        has L steps too: the schedule does not run ahead into rounds the federation has not
+        reached (with a factor of 1 no step is past it: the schedule is as before)."""
+        s = self.cfg.site
         if first:
-            self.sched_step = (round_no - 1) * self.cfg.site.local_steps
+            self.sched_step = (round_no - 1) * s.local_steps
+            self._background_last = self.sched_step + max(1, self._answered_steps) - 1
             self.gen.manual_seed(self._stream_seed(round_no))
             self._background_total = torch.zeros(2, dtype=torch.float64, device=self.device)
             self.model.train()
-        s = self.cfg.site
+        self.sched_step = min(self.sched_step, self._background_last)
         self._background_total += self.step([self.sample(s.batch_size) for _ in range(s.grad_accum)])
 
     def train(self, steps: int, round_no: int | None = None, background: int = 0) -> dict:
@@ -394,6 +403,7 @@ class LocalTrainer:
             rnd.figures.update(self.dp.figures())
             rnd.report(**report)
             return
+        self._answered_steps = rnd.local_steps  # background steps after this reply clamp their schedule at it
         rnd.report(**self.train(rnd.local_steps, rnd.number, background=rnd.background_steps))
 
     def run_request(self, method: str, request: dict) -> dict:

@@ -1,16 +1,27 @@
 """Communication hidden behind computation: a site keeps training while its update travels.
 
 With `federation.overlap` (the round config's `overlap`), after a site answers round r with the
-update Δ_r = θ_r − w_r, its ranks do not wait: they keep stepping from θ_r (up to the round's
-`local_steps`, as the first steps of round r+1: its learning-rate position and batch stream)
-until the coordinator's request for round r+1 arrives with the new global model w_{r+1}. The
+update Δ_r = θ_r − w_r, its ranks do not wait: they keep stepping from θ_r (as the first steps of
+round r+1: its learning-rate position and batch stream) until the coordinator's request for round
+r+1 arrives with the new global model w_{r+1}, or until they took the budget: the answered round's
+`local_steps` L times `overlap_max_steps_factor` (default 1: at most L, the round's own count; above
+1 the ranks stay busy through a link and a coordinator slower than L steps, and the cap bounds how far
+the progress drifts from the models the other sites fold it with when the coordinator stalls). The
 request freezes the background progress and folds it into the new global model, on every rank,
 for each exchanged tensor (its DDP replica or its ZeRO shard alike):
 
     p        = θ_now − θ_r            (the steps taken while the link and the coordinator were busy)
     θ_start  = w_{r+1} + p            (float arithmetic in the tensor's dtype, in this order)
 
-and round r+1 then trains only `local_steps − b` more steps (b background steps were taken).
+and round r+1 then trains only max(0, `local_steps` − b) more steps (b background steps were taken;
+with a factor above 1, b may exceed `local_steps`: the round then trains none and answers at once,
+its update holding all b steps). The learning-rate schedule of background steps
+starts where round r+1 starts (position r·L_site, L_site the site's own `local_steps`, as
+`LocalTrainer.train` places rounds) and advances one position per step for the first L steps; the
+steps after the L-th keep the L-th's learning rate, position r·L_site + L − 1, the last step of a
+round r+1 of L steps (`LocalTrainer.background_step`): the schedule never runs into rounds the
+federation has not reached (a cosine decay is not spent early, whatever the timing), a factor of 1
+leaves it as it was, and the next round places it afresh.
 This is the one-round-delayed outer step of Eager updates (Kale et al. 2025) and Streaming
 DiLoCo (Douillard et al. 2025): the outer step that produced w_{r+1} is applied to the local model
 one round late, so the ranks never wait for it. The update of round r+1 is still the delta from
@@ -45,6 +56,21 @@ Entry = tuple[str, torch.Tensor]
 BackgroundStep = Callable[[int, bool], None]  # (round the step belongs to, first of this gap) -> one step
 
 
+def background_budget(local_steps: int, factor: float | int | str | None) -> int:
+    """How many background steps may follow the answer of a round of `local_steps` steps: at most
+    `local_steps` x `factor` (`overlap_max_steps_factor`, rounded down, never below `local_steps`).
+    A factor that is not a finite number >= 1 counts as 1 (the round config's own check refuses
+    one before it gets here)."""
+    try:
+        f = float(factor if factor is not None else 1.0)
+    except (TypeError, ValueError):
+        f = 1.0
+    if not 1.0 <= f <= 1000.0:  # NaN, inf, below 1: today's budget
+        f = 1.0
+    steps = max(0, int(local_steps))
+    return max(steps, int(steps * f + 1e-9))
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The tensor this rank holds: its ZeRO shard of a DTensor, or the tensor itself."""
     return t.to_local() if isinstance(t, DTensor) else t
@@ -61,7 +87,7 @@ class Overlap:
         self.step_fn: BackgroundStep | None = None  # the loop's one optimizer step (LocalTrainer)
         self._saved: list[torch.Tensor] | None = None  # θ_r, then (after freeze) the progress p
         self.round = 0  # r: the round whose reply θ_r was
-        self.budget = 0  # background steps allowed (the sent round's local_steps)
+        self.budget = 0  # background steps allowed (the sent round's local_steps x overlap_max_steps_factor)
         self.steps = 0  # background steps taken since the reply
         self.seconds = 0.0
         self.frozen = False

@@ -49,7 +49,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from site_trainer import endpoint, handoff, layout, local_checkpoint, strategies, transfer
-from site_trainer.overlap import BackgroundStep, Overlap
+from site_trainer.overlap import BackgroundStep, Overlap, background_budget
 from site_trainer.config import SiteConfig, TrainerConfig
 from site_trainer.launch import check_node_rank
 
@@ -689,7 +689,8 @@ class Session:
 
     def _after_reply(self, rnd: Round) -> None:
         """Collective (local on each rank): with the round's `overlap`, remember the weights just sent
-        and let background steps start (up to the round's local_steps)."""
+        and let background steps start (up to the round's local_steps times its
+        `overlap_max_steps_factor`)."""
         if not rnd.config.get("overlap"):
             self.overlap.clear()
             return
@@ -699,7 +700,8 @@ class Session:
                             "step (a script's session): its ranks wait between rounds", self.site)
             self._overlap_warned = True
             return
-        self.overlap.sent(self._entries(), rnd.number, rnd.local_steps)
+        factor = rnd.config.get("overlap_max_steps_factor", 1.0)
+        self.overlap.sent(self._entries(), rnd.number, background_budget(rnd.local_steps, factor))
 
     def _pack_update(self, req: _Request, kind: str, round_no: int) -> tuple[handoff.Handle | None, list[str]]:
         """Collective: stream the exchanged tensors into rank 0's hand-off file (weights, or the delta

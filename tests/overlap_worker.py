@@ -27,10 +27,12 @@ from group_exit import leave
 DIGITS = WorkloadConfig(task="digits", options={"hidden": 16})
 
 
-def trainer(strategy: str, workdir: str, socket: str = "/nonexistent") -> LocalTrainer:
+def trainer(strategy: str, workdir: str, socket: str = "/nonexistent", cosine: bool = False) -> LocalTrainer:
+    schedule = {"lr_schedule": "cosine", "warmup_steps": 2, "min_lr": 1e-4} if cosine else {}
     site = SiteConfig(id="t", ranks=2, partition=0, batch_size=8, local_steps=4, optimizer="adamw", lr=1e-2,
-                      parallelism=strategy)
-    return LocalTrainer(TrainerConfig(site=site, workload=DIGITS, num_partitions=2, socket=socket, workdir=workdir))
+                      parallelism=strategy, **schedule)
+    return LocalTrainer(TrainerConfig(site=site, workload=DIGITS, num_partitions=2, socket=socket, workdir=workdir,
+                                      rounds=5 if cosine else None))
 
 
 def shifted(model: dict[str, np.ndarray], k: int) -> dict[str, np.ndarray]:
@@ -115,6 +117,36 @@ def main(out_path: str, workdir: str) -> None:
         r7 = ask("Train", 7, w7, overlap=True, update_kind="weights", local_steps=0)
         keep(p + "rerun/r7_weights", r7.get("arrays", {}))
         keep(p + "rerun/r7_metrics", r7.get("metrics", {}))
+        # overlap_max_steps_factor 2.5: background steps go past the round's local_steps (4), up to 10; the
+        # learning rate (cosine) of the steps after the 4th stays that of round 2's 4th step
+        t = trainer(strategy, f"{workdir}/{strategy}-long", cosine=True)
+        ask = Requests(t)
+        long = {"overlap": True, "overlap_max_steps_factor": 2.5}
+        ask("Train", 1, w1, update_kind="delta", local_steps=4, **long)
+        keep(p + "long/theta1", t.full_state())
+        taken, lrs, positions = [], [], []
+        for _ in range(11):  # one more than the cap
+            taken.append(t.session.run_background(1))
+            lrs.append(t.optimizer.param_groups[0]["lr"])
+            positions.append(t.sched_step)
+        keep(p + "long/taken", taken + [t.session.run_background(5)])
+        keep(p + "long/lrs", lrs)
+        keep(p + "long/positions", positions)
+        keep(p + "long/theta_now", t.full_state())
+        r2 = ask("Train", 2, shifted(w1, 2), update_kind="weights", local_steps=4, **long)  # 10 taken, 0 more
+        keep(p + "long/r2_weights", r2.get("arrays", {}))
+        keep(p + "long/r2_metrics", r2.get("metrics", {}))
+        # then 7 background steps (of 10 allowed) for a round of 3: it trains none and answers the delta from w3
+        keep(p + "long/more", [t.session.run_background(7)])
+        keep(p + "long/theta_now3", t.full_state())
+        r3 = ask("Train", 3, shifted(w1, 3), update_kind="delta", local_steps=3, **long)
+        keep(p + "long/r3_delta", r3.get("arrays", {}))
+        keep(p + "long/r3_metrics", r3.get("metrics", {}))
+        keep(p + "long/theta3", t.full_state())
+        # the cap follows the answered round: 3 x 2.5 -> 7; stale progress past the cap is still discarded
+        keep(p + "long/stale", [t.session.run_background(9)])
+        r5 = ask("Train", 5, shifted(w1, 5), update_kind="weights", local_steps=1, **long)
+        keep(p + "long/r5_metrics", r5.get("metrics", {}))
         # overlap without background steps changes nothing: two trainers, one with overlap, one without
         for case, overlap in (("on", True), ("off", False)):
             t = trainer(strategy, f"{workdir}/{strategy}-{case}")
@@ -145,16 +177,20 @@ def client(socket: str, w1: dict, replies: list, workdir: Path) -> None:
     try:
         while not Path(socket + ".ready").exists():
             time.sleep(0.05)
-        for rnd, model in ((1, w1), (2, shifted(w1, 2))):
+        # round 2 answers with overlap_max_steps_factor 2: the ranks then take 8 background steps, not 4
+        budgets = {1: 4, 2: 8}
+        for rnd, model in ((1, w1), (2, shifted(w1, 2)), (3, shifted(w1, 3))):
             h = handoff.write_arrays(model, f"served-{rnd}")
+            config = {"overlap": True, "update_kind": "delta", **({"overlap_max_steps_factor": 2.0} if rnd == 2 else {})}
             reply = endpoint.call(socket, "Train", {"round": rnd, "global": h.to_json(), "timeout_s": 120,
-                                                   "config": {"overlap": True, "update_kind": "delta"}}, timeout_s=120)
+                                                   "config": config}, timeout_s=120)
             handoff.release(h.path)
             handoff.release(reply["update"]["path"])
             replies.append(reply["metrics"])
-            while rnd == 1:
+            while rnd in budgets:
                 info = endpoint.call(socket, "Info", {}, timeout_s=30)
-                if info["background_steps"] == info["background_budget"] == 4:
+                if info["background_steps"] == info["background_budget"] == budgets[rnd]:
+                    time.sleep(0.3)  # the ranks are idle now: the cap holds (the reply says how many were taken)
                     break
                 time.sleep(0.05)
     finally:

@@ -107,12 +107,49 @@ def test_overlap_without_background_steps_changes_nothing(results, strategy):
     assert max(np.abs(on[n] - _w(2)[n]).max() for n in on) > 1e-4
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_with_a_steps_factor_background_steps_go_past_local_steps_up_to_the_cap(results, strategy):
+    from site_trainer.strategies import lr_at
+
+    # local_steps 4, overlap_max_steps_factor 2.5: 10 background steps, then none
+    assert results(f"{strategy}/long/taken") == [1] * 10 + [0, 0]
+    # the schedule (cosine) of round 2 starts at position 4; steps after the 4th keep the 4th's rate
+    assert results(f"{strategy}/long/positions") == [5, 6, 7, 8, 8, 8, 8, 8, 8, 8, 8]
+    expected = [lr_at(min(4 + i, 7), 1e-2, 2, "cosine", 5 * 4, 1e-4) for i in range(11)]
+    assert results(f"{strategy}/long/lrs") == pytest.approx(expected, rel=1e-12)
+    assert expected[0] > expected[3] > lr_at(8, 1e-2, 2, "cosine", 20, 1e-4)  # the clamp held the decay back
+    # round 2 (4 steps) trains none after the fold and sends the fold itself, to the bit: 10 steps of progress
+    theta1, now, w2 = results(f"{strategy}/long/theta1"), results(f"{strategy}/long/theta_now"), _w(2)
+    assert max(np.abs(now[n] - theta1[n]).max() for n in now) > 1e-4
+    _exact(results(f"{strategy}/long/r2_weights"), {n: w2[n] + (now[n] - theta1[n]) for n in w2})
+    m = results(f"{strategy}/long/r2_metrics")
+    assert m["background_steps"] == 10 and m["steps"] == 10 and m["local_steps"] == 4
+    assert "overlap_discarded_steps" not in m
+    # round 3 (3 steps) after 7 background steps: trains none, answers the delta from w3, which holds all 7
+    assert results(f"{strategy}/long/more") == [7]
+    theta2, now3, w3 = results(f"{strategy}/long/r2_weights"), results(f"{strategy}/long/theta_now3"), _w(3)
+    theta3 = results(f"{strategy}/long/theta3")
+    _exact(theta3, {n: w3[n] + (now3[n] - theta2[n]) for n in w3})
+    _exact(results(f"{strategy}/long/r3_delta"), {n: theta3[n] - w3[n] for n in w3})
+    m = results(f"{strategy}/long/r3_metrics")
+    assert m["background_steps"] == 7 and m["steps"] == 7 and m["local_steps"] == 3
+    # the cap follows the answered round (3 x 2.5 -> 7); progress for another round is still discarded
+    assert results(f"{strategy}/long/stale") == [7]
+    m = results(f"{strategy}/long/r5_metrics")
+    assert m["background_steps"] == 0 and m["overlap_discarded_steps"] == 7 and m["steps"] == 1
+
+
 def test_the_served_loop_trains_between_requests_and_reports_idle_time(results):
     first, second = results("served/r1_metrics"), results("served/r2_metrics")
     assert first["background_steps"] == 0 and "idle_fraction" not in first  # no previous reply to measure from
     # the client waited (Info) until the ranks had taken their whole budget before asking round 2
     assert second["background_steps"] == 4 and second["steps"] == 4 and second["background_s"] > 0
     assert 0 < second["idle_fraction"] < 1 and second["idle_s"] > 0
+    # round 2 was answered with overlap_max_steps_factor 2: 8 background steps between requests, then the ranks
+    # waited (the cap held); round 3 (4 steps) trained none after the fold
+    third = results("served/r3_metrics")
+    assert third["background_steps"] == 8 and third["steps"] == 8 and third["background_s"] > 0
+    assert 0 < third["idle_fraction"] < 1 and third["idle_s"] > 0
 
 
 def test_overlap_is_off_by_default_travels_in_the_round_config_and_refuses_what_it_cannot_run(tmp_path):
@@ -132,5 +169,27 @@ def test_overlap_is_off_by_default_travels_in_the_round_config_and_refuses_what_
                          sites=[site])
     with pytest.raises(ValidationError, match=r"site\(s\) \['a'\] run their own script"):
         ExperimentConfig(federation={"overlap": True}, sites=[{**site, "script": str(script)}])
+    # federation.overlap_max_steps_factor: 1 by default (background steps stop at local_steps, as before),
+    # travels in the round config, caps the budget, and is refused without overlap or below 1
+    assert ExperimentConfig(sites=[site]).federation.overlap_max_steps_factor == 1.0
+    assert RoundConfig().overlap_max_steps_factor == 1.0
+    fed = ExperimentConfig(federation={"overlap": True, "overlap_max_steps_factor": 3}, sites=[site]).federation
+    assert fed.overlap_max_steps_factor == 3.0
+    rec = RoundConfig(overlap=True, overlap_max_steps_factor=2.5).to_record()
+    assert RoundConfig.from_record(rec).overlap_max_steps_factor == 2.5
+    with pytest.raises(ValidationError, match=r"federation.overlap_max_steps_factor is 2 but federation.overlap is off"):
+        ExperimentConfig(federation={"overlap_max_steps_factor": 2}, sites=[site])
+    for bad in (0.5, float("nan"), float("inf"), 1001):
+        with pytest.raises(ValidationError, match="overlap_max_steps_factor"):
+            ExperimentConfig(federation={"overlap": True, "overlap_max_steps_factor": bad}, sites=[site])
+    from federation.protocol.round_config import RoundConfigError
+
+    with pytest.raises(RoundConfigError, match="overlap_max_steps_factor"):
+        RoundConfig.from_record({"overlap": True, "overlap_max_steps_factor": 0.5})
+    from site_trainer.overlap import background_budget
+
+    assert [background_budget(4, f) for f in (1, 1.0, 2.5, 2.49, 3)] == [4, 4, 10, 9, 12]
+    assert background_budget(3, 2.5) == 7 and background_budget(0, 5) == 0
+    assert [background_budget(4, f) for f in (None, "x", float("nan"), 0.2)] == [4] * 4  # unusable: as before
     with pytest.raises(ValidationError, match=r"federation.overlap with sites\[\].privacy on site\(s\) \['a'\]"):
         ExperimentConfig(federation={"overlap": True}, sites=[{**site, "privacy": {"enabled": True, "epsilon": 8.0}}])

@@ -154,6 +154,13 @@ def test_the_planner_reads_step_times_and_sizes_from_the_history():
     # federation.overlap: 45 of b's 50 steps ran in the background (2.7 s) before the request came
     history[1]["sites"]["b"].update(seconds=0.3, background_s=2.7, background_steps=45)
     assert planner.step_times(history)["b"] == pytest.approx(0.06)
+    # federation.overlap_max_steps_factor above 1: 80 background steps (4.8 s) for a round of 50, which then
+    # trained none after the fold (its call took 0.1 s): 80 steps in 4.9 s, not 50
+    history[1]["sites"]["b"].update(seconds=0.1, background_s=4.8, background_steps=80)
+    assert planner.step_times(history)["b"] == pytest.approx(4.9 / 80)
+    # stale progress thrown away (12 steps, 0.72 s) and the round's 50 trained after it (3.0 s)
+    history[1]["sites"]["b"].update(seconds=3.0, background_s=0.72, background_steps=0, overlap_discarded_steps=12)
+    assert planner.step_times(history)["b"] == pytest.approx(3.72 / 62)
     sizes, down = planner.sizes(history, 10_000_000)
     assert sizes["int8"] == 9.5e6 and down == 30e6  # what was really sent
     assert sizes["float32"] == wire_bytes("float32", 10_000_000)  # never sent: estimated

@@ -105,6 +105,10 @@ class FederationConfig(StrictModel):
     evaluate: bool = Field(True, description="evaluate the global model on every site after each round")
     overlap: bool = Field(False, description="sites keep training while their update travels and fold the next "
                           "global model in when it arrives (a one-round-delayed outer step; configs/README.md)")
+    overlap_max_steps_factor: float = Field(1.0, ge=1.0, le=1000.0, allow_inf_nan=False, description=(
+        "with overlap: a site's background steps go on until the next request arrives, at most this many "
+        "times the answered round's local_steps; 1 (default): stop at local_steps, as before. Above 1 a "
+        "round may hold more steps than local_steps (how many depends on the link's timing)"))
     seed: int = Field(0, description="sampling, round seeds of shared-seed codecs, downlink steps")
     deadlines: Deadlines = Deadlines()
     codec: str = Field("identity", description="update codec spec, e.g. 'topk:0.01+int8' (see configs/README.md)")
@@ -252,6 +256,10 @@ class ExperimentConfig(StrictModel):
             check_privacy_workload(self.workload, site)
         if self.federation.overlap:
             _check_overlap(self.workload, self.sites)
+        elif self.federation.overlap_max_steps_factor != 1.0:
+            raise ValueError(f"federation.overlap_max_steps_factor is {self.federation.overlap_max_steps_factor:g} "
+                             "but federation.overlap is off: it caps the background steps of overlap; set "
+                             "federation.overlap: true, or remove overlap_max_steps_factor")
         private = [s.id for s in self.sites if s.privacy.enabled]
         if self.federation.round_target_s is not None and private:
             raise ValueError(f"federation.round_target_s chooses each round's local steps, but sites {private} plan "

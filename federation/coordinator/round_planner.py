@@ -3,7 +3,8 @@
 Per round: the link figures of the round's sites (link_book.py), each site's seconds per local
 step from its latest line in the metrics history (its trainer's `train_s`, plus the background
 seconds under federation.overlap, over the steps it
-reports having run, else those it was given, else its own `local_steps`), the bytes of an update under each codec
+reports having run, else those it was given, else its own `local_steps`; under overlap, over those
+and its background steps: max(given, folded in) plus discarded), the bytes of an update under each codec
 (what that codec really sent in an earlier round, else round_plan.wire_bytes) and the model's
 bytes down (what the last round's sites received on the data path, else the dense model), and
 what the last round cost besides (its wall time less the slowest site's trainer calls, the
@@ -21,6 +22,11 @@ from collections.abc import Callable, Mapping
 from federation.config.schema import ExperimentConfig
 from federation.coordinator.round_plan import RoundChoice, choose, wire_bytes
 from federation.protocol.link_probe import LinkFigures
+
+
+def _count(value: object) -> int:
+    """A step count from a metrics line (0 when absent or not a number)."""
+    return int(value) if isinstance(value, (int, float)) and value > 0 else 0
 
 
 class RoundPlanner:
@@ -41,10 +47,14 @@ class RoundPlanner:
                 took = m.get("seconds") or m.get("train_call_s")
                 n = m.get("local_steps") or steps or self.own_steps.get(site)  # what it says it ran, else what it was told
                 if isinstance(took, (int, float)) and took > 0 and n:
-                    # federation.overlap: some of the round's n steps ran in the background, before the request
+                    # federation.overlap: some of the round's steps ran in the background, before the request;
+                    # background_s times all of them: the b folded in (more than n with
+                    # overlap_max_steps_factor above 1: then the round trained none after the fold) and any
+                    # discarded, so the round's steps were max(n, b) + discarded
                     background = m.get("background_s")
                     if isinstance(background, (int, float)) and background > 0:
                         took += background
+                        n = max(n, _count(m.get("background_steps"))) + _count(m.get("overlap_discarded_steps"))
                     out[site] = float(took) / n
         return out
 

@@ -36,6 +36,9 @@ class RoundConfig(BaseModel):
                            "figures ride back with the update")
     overlap: bool = Field(False, description="after answering, keep training and fold the next global model in "
                           "(site_trainer/overlap.py)")
+    overlap_max_steps_factor: float = Field(1.0, ge=1.0, le=1000.0, allow_inf_nan=False, description=(
+        "with overlap: background steps go on until the next request, at most this many times the answered "
+        "round's local_steps (federation.overlap_max_steps_factor; 1: up to local_steps)"))
     deadline_s: float = Field(300.0, gt=0, description="the site must answer within this (ClientApp start-up included)")
     local_steps: int | None = Field(None, ge=1, le=1_000_000, description="local steps of this round, chosen by the "
                                     "coordinator (federation.round_target_s); None: the site's own local_steps")
