@@ -382,6 +382,7 @@ class Coordinator:
         return RoundConfig(round=rnd, federation=self.fed.name, update_kind=self.fed.update_kind,
                            seed=self.round_seed(rnd), codec=self.round_codec(rnd), error_feedback=self.fed.error_feedback,
                            seal=self.fed.seal, evaluate=evaluate, overlap=self.fed.overlap,
+                           overlap_max_steps_factor=self.fed.overlap_max_steps_factor,
                            local_steps=choice.local_steps if choice else None,
                            # the site must answer before our deadline, ClientApp start-up (a few seconds) included
                            deadline_s=max(1.0, deadline_s * 0.8 - 2.0))
