@@ -33,10 +33,13 @@ when the machine's MemAvailable falls below it, and prints the peaks reached.
 
 The run also measures what any authenticated hop can move here at most (benchmarks/_tls_ceiling.py:
 bare mutual TLS sockets, the receiver hashing and writing every byte, 2 streams at once like the 2
-sites): on this 2-core machine, quiet, 263 MB/s per stream (582 MB/s with one stream alone), which
-is 3.5 x the Flower anchor's 74.5 MB/s per hop measured by this script, so the issue's speedup >= 10
-per hop (set against the 12-15 MB/s per hop it measured for Flower under load) is above this
-machine's ceiling for any design that encrypts, verifies and stores what it moves.
+sites): on this 2-core machine, quiet, 195-263 MB/s per stream (582 MB/s with one stream alone),
+which is 2.2-3.5 x the Flower anchor's 74.5-89.6 MB/s per hop measured by this script, so the
+issue's speedup >= 10 per hop (set against the 12-15 MB/s per hop it measured for Flower under
+load) is above this machine's ceiling for any design that encrypts, verifies and stores what it
+moves. Measured 2026-11-26, quiet machine, 101M parameters:
+`RESULT params=101328896 ours_mb_s_per_hop=134.1 flower_mb_s_per_hop=89.6 speedup=1.5
+coordinator_peak_ratio=2.26 rounds_ok=3 rounds_asked=3 tls_ceiling_mb_s_per_hop=195`.
 
 Last line: `RESULT params=<P> ours_mb_s_per_hop=<..> flower_mb_s_per_hop=<..> speedup=<ours/flower> coordinator_peak_ratio=<..> rounds_ok=<n> rounds_asked=<n> tls_ceiling_mb_s_per_hop=<..>`
 """
