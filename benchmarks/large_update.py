@@ -39,7 +39,10 @@ issue's speedup >= 10 per hop (set against the 12-15 MB/s per hop it measured fo
 load) is above this machine's ceiling for any design that encrypts, verifies and stores what it
 moves. Measured 2026-11-26, quiet machine, 101M parameters:
 `RESULT params=101328896 ours_mb_s_per_hop=134.1 flower_mb_s_per_hop=89.6 speedup=1.5
-coordinator_peak_ratio=2.26 rounds_ok=3 rounds_asked=3 tls_ceiling_mb_s_per_hop=195`.
+coordinator_peak_ratio=2.26 rounds_ok=3 rounds_asked=3 tls_ceiling_mb_s_per_hop=195`; and at 512M
+(`--n-layer 26 --n-embd 1280 --site-dtype bfloat16 --skip-flower --rounds 1`: Flower's path does not
+fit beside ours at that size) `RESULT params=512312320 ours_mb_s_per_hop=129.0 flower_mb_s_per_hop=nan
+speedup=nan coordinator_peak_ratio=3.00 rounds_ok=2 rounds_asked=2 tls_ceiling_mb_s_per_hop=203`.
 
 Last line: `RESULT params=<P> ours_mb_s_per_hop=<..> flower_mb_s_per_hop=<..> speedup=<ours/flower> coordinator_peak_ratio=<..> rounds_ok=<n> rounds_asked=<n> tls_ceiling_mb_s_per_hop=<..>`
 """
