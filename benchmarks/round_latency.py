@@ -55,7 +55,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from crypto.pki import provision  # noqa: E402
+from benchmarks._flower_deployment import run_anchor  # noqa: E402
 from federation.coordinator.checkpoint import load_checkpoint  # noqa: E402
 from federation.config.schema import load_config  # noqa: E402
 from federation.ops import launcher  # noqa: E402
@@ -96,37 +96,12 @@ def run_flower(workdir: Path, config: Path, shapes: list[list[int]], rounds: int
                timeout_s: float = 120, random_init: bool = False) -> dict:
     """Flower's FedAvg on a deployment started like ours (TLS, SuperNode auth, same flags; the
     SuperLink's state in memory without `database`); each stage waits up to `timeout_s`."""
+    shapes_text = json.dumps(shapes, separators=(",", ":"))  # no spaces: --run-config splits on them
     cfg = load_config(config)
-    wd = workdir / "flower"
-    wd.mkdir(parents=True, exist_ok=True)
-    pki = wd / "pki"
-    provision(pki, [s.id for s in cfg.sites], hosts=("127.0.0.1", "localhost"))
-    coord = pki / "coordinator"
-    out = wd / "flower_rounds.json"
-    sup = launcher.Supervisor(wd)
-    try:
-        port = launcher.free_port()
-        link = launcher.start_superlink(sup, port, bundle=coord, database=database)
-        launcher.wait_port(link, port)
-        launcher.write_flwr_connection(sup, f"127.0.0.1:{port}", coord / "ca.crt")
-        launcher.register_supernodes(sup, {s.id: pki / "sites" / s.id / "supernode_auth.pub" for s in cfg.sites})
-        for s in cfg.sites:  # no trainer: the anchor's ClientApp is NumPy only
-            launcher.start_supernode(sup, s, f"127.0.0.1:{port}", "unused", pki / "sites" / s.id)
-        shapes_text = json.dumps(shapes, separators=(",", ":"))  # no spaces: --run-config splits on them
-        run_config = f'shapes="{shapes_text}" rounds={rounds} sites={len(cfg.sites)} out="{out}" timeout={timeout_s:g} random-init={int(random_init)}'
-        run = sup.start("flwr-run", [launcher._bin("flwr"), "run", str(ANCHOR_APP), "sovfl", "--run-config",
-                                     run_config, "--stream"])
-        end = time.monotonic() + 120 + rounds * 3 * timeout_s
-        while not out.exists():
-            if time.monotonic() > end:
-                raise launcher.LaunchError(f"Flower's FedAvg did not finish; see {run.log}:\n{launcher.tail(run.log)}")
-            if not link.alive():
-                raise launcher.LaunchError(f"the SuperLink died; see {link.log}")
-            time.sleep(0.5)
-        time.sleep(0.2)
-        return json.loads(out.read_text())
-    finally:
-        sup.close()
+    run_config = (f'shapes="{shapes_text}" rounds={rounds} sites={len(cfg.sites)} timeout={timeout_s:g} '
+                  f"random-init={int(random_init)}")
+    return run_anchor(workdir, ANCHOR_APP, list(cfg.sites), run_config, 120 + rounds * 3 * timeout_s,
+                      database=database)
 
 
 def main() -> None:

@@ -72,9 +72,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+from benchmarks._flower_deployment import run_anchor  # noqa: E402
 from benchmarks.shaped_link import ShapedLink, available, check  # noqa: E402
-from crypto.pki import provision  # noqa: E402
 from federation.ops import launcher  # noqa: E402
+from site_trainer.config import SiteConfig  # noqa: E402
 
 ANCHOR_APP = Path(__file__).parent / "flower_hf_fedavg_app"
 SITES = 3
@@ -142,48 +143,14 @@ def _port(address: str) -> tuple[str, int]:
 
 def run_flower(workdir: Path, data: Path, model_dir: Path, links: list[ShapedLink], args) -> dict:
     """Flower's FedAvg; each SuperNode dials the SuperLink through its site's link."""
-    wd = workdir / "flower"
-    wd.mkdir(parents=True, exist_ok=True)
-    names = [f"site{i}" for i in range(SITES)]
-    pki = wd / "pki"
-    provision(pki, names, hosts=("127.0.0.1", "localhost"))
-    coord = pki / "coordinator"
-    out = wd / "flower_rounds.json"
-    out.unlink(missing_ok=True)
-    from federation.config.schema import SiteConfig
-
-    sup = launcher.Supervisor(wd)
-    try:
-        port = launcher.free_port()
-        link = launcher.start_superlink(sup, port, bundle=coord, database=False)
-        launcher.wait_port(link, port)
-        launcher.write_flwr_connection(sup, f"127.0.0.1:{port}", coord / "ca.crt")
-        launcher.register_supernodes(sup, {n: pki / "sites" / n / "supernode_auth.pub" for n in names})
-        for i, n in enumerate(names):
-            dial = f"127.0.0.1:{links[i].forward(('127.0.0.1', port))}"
-            launcher.start_supernode(sup, SiteConfig(id=n, partition=i), dial, "unused", pki / "sites" / n,
-                                     extra_node_config={"data-dir": str(data / n), "partition-id": str(i)})
-        run_config = " ".join([
-            f'model-dir="{model_dir}"', f"rounds={args.rounds}", f"sites={SITES}", f'out="{out}"',
-            f"local-steps={args.local_steps}", f"lr={args.lr!r}", f"batch-size={args.batch}",
-            f"seq-len={args.seq_len}", f"seed={args.seed}", "timeout=1200"])
-        run = sup.start("flwr-run", [launcher._bin("flwr"), "run", str(ANCHOR_APP), "sovfl", "--run-config",
-                                     run_config, "--stream"], {"OMP_NUM_THREADS": "1"})
-        end = time.monotonic() + 300 + args.rounds * 2400
-        while not out.exists():
-            if time.monotonic() > end:
-                raise launcher.LaunchError(f"Flower's FedAvg did not finish; see {run.log}:\n{launcher.tail(run.log)}")
-            if not link.alive():
-                raise launcher.LaunchError(f"the SuperLink died; see {link.log}")
-            if not run.alive() and not out.exists():
-                time.sleep(2)
-                if not out.exists():
-                    raise launcher.LaunchError(f"flwr run ended without a result; see {run.log}:\n{launcher.tail(run.log)}")
-            time.sleep(0.5)
-        time.sleep(0.2)
-        res = json.loads(out.read_text())
-    finally:
-        sup.close()
+    run_config = " ".join([
+        f'model-dir="{model_dir}"', f"rounds={args.rounds}", f"sites={SITES}", f"local-steps={args.local_steps}",
+        f"lr={args.lr!r}", f"batch-size={args.batch}", f"seq-len={args.seq_len}", f"seed={args.seed}", "timeout=1200"])
+    sites = [SiteConfig(id=f"site{i}", partition=i) for i in range(SITES)]
+    res = run_anchor(workdir, ANCHOR_APP, sites, run_config, 300 + args.rounds * 2400, database=False,
+                     dial=lambda i, port: f"127.0.0.1:{links[i].forward(('127.0.0.1', port))}",
+                     node_config=lambda i, s: {"data-dir": str(data / s.id), "partition-id": str(i)},
+                     env={"OMP_NUM_THREADS": "1"})
     t0 = res["start"]
     curve = [(r["time"] - t0, r["eval_loss"]) for _, r in sorted(res["rounds"].items(), key=lambda kv: int(kv[0]))
              if r.get("eval_loss") is not None]

@@ -8,6 +8,7 @@ handler), so benchmarks/round_latency.py can subtract the slowest site's work fr
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import numpy as np
@@ -86,5 +87,7 @@ def main(grid: Grid, context: Context) -> None:
     strategy = TimedFedAvg(min_train_nodes=n, min_evaluate_nodes=n, min_available_nodes=n)
     strategy.start(grid=grid, initial_arrays=initial, num_rounds=int(cfg["rounds"]),
                    timeout=float(cfg.get("timeout", 120)))
-    with open(str(cfg["out"]), "w") as f:
+    part = f"{cfg['out']}.part"  # renamed when whole: the benchmark reads the file as soon as it exists
+    with open(part, "w") as f:
         json.dump({"rounds": strategy.rounds}, f)
+    os.replace(part, str(cfg["out"]))

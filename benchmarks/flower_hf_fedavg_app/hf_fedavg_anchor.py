@@ -54,6 +54,16 @@ def _windows(model_dir: str, data_dir: str, split: str, seq_len: int) -> torch.T
     return torch.stack([t[i * seq_len: i * seq_len + seq_len + 1] for i in range(n)])
 
 
+def _received(msg: Message, context: Context, split: str) -> tuple[torch.nn.Module, torch.Tensor]:
+    """The model the message carries, loaded into a fresh build, and this site's `split` windows:
+    what each of Flower's ClientApp processes does first, as its examples do."""
+    cfg, node = context.run_config, context.node_config
+    torch.set_num_threads(1)
+    model = _model(str(cfg["model-dir"]))
+    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+    return model, _windows(str(cfg["model-dir"]), str(node["data-dir"]), split, int(cfg["seq-len"]))
+
+
 def _loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
     logits = model(input_ids=batch[:, :-1], use_cache=False).logits
     return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
@@ -62,10 +72,7 @@ def _loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
 @client.train()
 def train(msg: Message, context: Context) -> Message:
     cfg, node = context.run_config, context.node_config
-    torch.set_num_threads(1)
-    model = _model(str(cfg["model-dir"]))
-    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
-    data = _windows(str(cfg["model-dir"]), str(node["data-dir"]), "train", int(cfg["seq-len"]))
+    model, data = _received(msg, context, "train")
     rnd = int(msg.content["config"]["server-round"])
     g = torch.Generator().manual_seed(int(cfg["seed"]) * 1000 + rnd * 10 + int(node.get("partition-id", 0)))
     opt = torch.optim.AdamW(model.parameters(), lr=float(cfg["lr"]))
@@ -88,11 +95,7 @@ def train(msg: Message, context: Context) -> Message:
 
 @client.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
-    cfg, node = context.run_config, context.node_config
-    torch.set_num_threads(1)
-    model = _model(str(cfg["model-dir"]))
-    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
-    data = _windows(str(cfg["model-dir"]), str(node["data-dir"]), "val", int(cfg["seq-len"]))
+    model, data = _received(msg, context, "val")
     model.eval()
     total = 0.0
     t0 = time.monotonic()
@@ -143,5 +146,7 @@ def main(grid: Grid, context: Context) -> None:
     strategy = TimedFedAvg(min_train_nodes=n, min_evaluate_nodes=n, min_available_nodes=n)
     t0 = time.time()
     strategy.start(grid=grid, initial_arrays=initial, num_rounds=int(cfg["rounds"]), timeout=float(cfg["timeout"]))
-    with open(str(cfg["out"]), "w") as f:
+    part = f"{cfg['out']}.part"  # renamed when whole: the benchmark reads the file as soon as it exists
+    with open(part, "w") as f:
         json.dump({"start": t0, "rounds": strategy.rounds}, f)
+    os.replace(part, str(cfg["out"]))
