@@ -10,6 +10,7 @@ from pathlib import Path
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
+from crypto.durable import write_atomic
 from crypto.pki import CoordinatorBundle
 from federation.config import AttestationConfig, resolve
 from federation.config.schema import ConfigError, load_config
@@ -121,5 +122,5 @@ def main(grid: Grid, context: Context) -> None:
     finally:
         if bulk is not None:
             bulk.stop()
-    (workdir / "result.json").write_text(json.dumps(result, indent=2))
+    write_atomic(workdir / "result.json", json.dumps(result, indent=2))  # the launcher reads it once it exists
     progress(f"finished: {result['status']}")
