@@ -27,6 +27,18 @@ INIT_STD = 0.1  # wider than the usual 0.02: a random tiny model then has some s
 PAD = "<|pad|>"
 
 
+def compliance_data():
+    """The example's synthetic compliance conversations (examples/compliance_sft/compliance_data.py),
+    imported from its file: the example is not a package."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "compliance_sft" / "compliance_data.py"
+    spec = importlib.util.spec_from_file_location("compliance_data", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @functools.lru_cache(maxsize=1)
 def stdlib_sources() -> tuple[Path, ...]:
     """The standard library's top-level .py files, sorted (the same list on every machine with this Python)."""

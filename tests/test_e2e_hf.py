@@ -30,7 +30,7 @@ import pytest
 from conftest import ROOT, assert_weighted_mean_rounds, live_marked, sovfl, write_config
 from federation.coordinator.checkpoint import load_checkpoint
 from federation.ops import launcher
-from hf_models import tiny_llama, write_corpus
+from hf_models import compliance_data, tiny_llama, write_corpus
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow(seconds=300)]
 
@@ -42,17 +42,6 @@ LORA = {"r": 4, "alpha": 8, "dropout": 0.0}
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> Path:
     return tiny_llama(tmp_path_factory.mktemp("base"), chat=True)
-
-
-def compliance_data():
-    """The example's synthetic compliance conversations (examples/compliance_sft/compliance_data.py)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("compliance_data",
-                                                  ROOT / "examples" / "compliance_sft" / "compliance_data.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,8 @@ import pytest
 
 from conftest import ROOT
 from federation.ops.launcher import Supervisor, wait_trainers
-from hf_models import tiny_llama
-from trainer_calls import call, update_of
+from hf_models import compliance_data, tiny_llama
+from trainer_calls import call, far_from, update_of
 from site_trainer import endpoint, workloads
 from site_trainer.config import SiteConfig, TrainerConfig, WorkloadConfig
 
@@ -27,15 +27,6 @@ pytestmark = pytest.mark.slow(seconds=90)
 EXAMPLE = ROOT / "examples" / "compliance_sft"
 SCRIPTS = {"trainer": EXAMPLE / "train_with_trainer.py", "sft": EXAMPLE / "train_sft.py"}  # Trainer, TRL SFTTrainer
 LOCAL_STEPS = 3
-
-
-def compliance_data():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("compliance_data", EXAMPLE / "compliance_data.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def workload(base: Path, chats: Path) -> WorkloadConfig:
@@ -67,10 +58,6 @@ def service(tmp_path_factory, request):
         sup.close()
 
 
-
-
-
-
 def test_trainer_script_site_serves_rounds_and_stops(service):
     cfg, wl, proc, tmp = service
     info = endpoint.call(cfg.socket, "Info", {}, timeout_s=30)
@@ -78,9 +65,7 @@ def test_trainer_script_site_serves_rounds_and_stops(service):
     assert info["loop"] == "script" and info["ranks"] == 2 and info["num_examples"] > 0
 
     # round 1 from a global model far from the initial one: the reply is a few steps away from it
-    initial = workloads.initial_weights(wl, 0)
-    rng = np.random.default_rng(0)
-    far = {k: (v + rng.normal(0, 0.5, v.shape)).astype(v.dtype) for k, v in initial.items()}
+    far = far_from(workloads.initial_weights(wl, 0))
     r1 = call(cfg, "Train", far, round=1, config={"update_kind": "weights"})
     assert r1["ok"], r1
     w1 = update_of(r1)

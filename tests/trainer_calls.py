@@ -25,3 +25,10 @@ def update_of(reply) -> dict[str, np.ndarray]:
         return {k: np.array(v) for k, v in handoff.map_arrays(upd).items()}
     finally:
         handoff.release(upd.path)
+
+
+def far_from(initial: dict[str, np.ndarray], scale: float = 0.5, seed: int = 0) -> dict[str, np.ndarray]:
+    """A global model far from `initial` (Gaussian noise of `scale`): a trainer that really loaded it
+    answers a few steps away from it, not from its own initial weights."""
+    rng = np.random.default_rng(seed)
+    return {k: (v + rng.normal(0, scale, v.shape)).astype(v.dtype) for k, v in initial.items()}
