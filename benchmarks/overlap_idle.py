@@ -15,6 +15,7 @@ and in the background (while the link is busy). The anchor is the same trainer w
 
     python benchmarks/overlap_idle.py [--backend nccl] [--ranks 1] [--rounds 6] [--local-steps 40]
                                       [--link-s 2.0] [--layers 4] [--embd 256] [--block 128] [--batch 16]
+                                      [--precision fp32|bf16] [--max-steps-factor 1.0]
 
 Last line: RESULT link_s=<..> round_s_off=<..> round_s_on=<..> speedup=<off/on> idle_off=<..>
 idle_on=<..> bg_tokens_per_s=<..> fg_tokens_per_s=<..>
@@ -42,15 +43,18 @@ def run(tmp: Path, args: argparse.Namespace, overlap: bool) -> list[dict]:
     wl = WorkloadConfig(task="slm", options={"n_layer": args.layers, "n_head": 4, "n_embd": args.embd,
                                              "block_size": args.block, "corpus_bytes_per_site": 400_000})
     name = "on" if overlap else "off"
-    cfg = trainer_config(tmp, name, wl, args.ranks, args.local_steps, batch_size=args.batch, backend=args.backend)
+    cfg = trainer_config(tmp, name, wl, args.ranks, args.local_steps, batch_size=args.batch, backend=args.backend,
+                         mixed_precision=args.precision or ("bf16" if args.backend == "nccl" else "fp32"))
     svc = Service(tmp / f"svc-{name}", cfg, start_timeout_s=600)
+    print(f"overlap={name}: the trainer runs on {svc.info['device']} in {svc.info['compute']}", flush=True)
     rows, last = [], None
     try:
         for rnd in range(1, args.rounds + 1):
             h = handoff.write_arrays(svc.model, "bench-global")
             try:
                 reply = endpoint.call(svc.cfg.socket, "Train", {"round": rnd, "global": h.to_json(), "timeout_s": 600,
-                                      "config": {"update_kind": "delta", "overlap": overlap}}, timeout_s=600)
+                                      "config": {"update_kind": "delta", "overlap": overlap,
+                                                 "overlap_max_steps_factor": args.max_steps_factor}}, timeout_s=600)
             finally:
                 handoff.release(h.path)
             assert reply["ok"], reply
@@ -91,6 +95,10 @@ def main() -> None:
     ap.add_argument("--embd", type=int, default=256)
     ap.add_argument("--block", type=int, default=128)
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--precision", choices=["fp32", "bf16"], default=None,
+                    help="the trainer's mixed_precision (default: bf16 with nccl, fp32 with gloo)")
+    ap.add_argument("--max-steps-factor", type=float, default=1.0,
+                    help="federation.overlap_max_steps_factor: background steps up to this x local steps")
     args = ap.parse_args()
     if args.rounds < 3:
         raise SystemExit("--rounds must be at least 3 (the first two are not steady)")
@@ -106,7 +114,8 @@ def main() -> None:
                       f"({r.get('background_steps', 0):.0f} in the background), idle "
                       f"{r.get('idle_fraction', float('nan')):.2f}", flush=True)
     off, on = out[False], out[True]
-    print(f"{args.local_steps} local steps, link busy {args.link_s} s per round, {args.ranks} rank(s), {args.backend}: "
+    print(f"{args.local_steps} local steps (background up to x{args.max_steps_factor}), link busy {args.link_s} s per "
+          f"round, {args.ranks} rank(s), {args.backend}: "
           f"round {off['round_s']:.2f} s -> {on['round_s']:.2f} s, idle {off['idle']:.2f} -> {on['idle']:.2f}, "
           f"{on['bg_steps']:.1f} steps per round taken while the link is busy")
     print(f"RESULT link_s={args.link_s} round_s_off={off['round_s']:.3f} round_s_on={on['round_s']:.3f} "
