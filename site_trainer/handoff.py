@@ -11,6 +11,7 @@ pages are the relay's file; per rank the trainer holds only its shards and one t
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import uuid
@@ -55,9 +56,38 @@ class Handle:
             raise ValueError(f"malformed hand-off handle: {err}") from None
 
 
+def scratch_dir(directory: str | Path | None = None) -> Path:
+    """Where hand-off files go: `directory` if given, else /dev/shm (memory), else $TMPDIR."""
+    return Path(directory) if directory else (_SHM_DIR or Path(os.environ.get("TMPDIR", "/tmp")))
+
+
 def _new_path(directory: str | Path | None, tag: str) -> Path:
-    base = Path(directory) if directory else (_SHM_DIR or Path(os.environ.get("TMPDIR", "/tmp")))
-    return base / f"sovfl-{tag}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    return scratch_dir(directory) / f"sovfl-{tag}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def sweep_stale(tag: str, directory: str | Path | None = None) -> list[str]:
+    """Unlink the hand-off files of `tag` whose writer process no longer exists (a rank killed while
+    it wrote its update, so nothing released them): in /dev/shm they are memory, and nothing else
+    would ever free them. Returns the paths removed."""
+    prefix, removed = f"sovfl-{tag}-", []
+    for path in scratch_dir(directory).glob(f"{prefix}*"):
+        pid, _, rest = path.name[len(prefix):].partition("-")
+        if not pid.isdigit() or len(rest) != 12 or int(pid) == os.getpid() or _pid_alive(int(pid)):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed.append(str(path))
+    return removed
 
 
 def _create(size: int, tag: str, directory: str | Path | None) -> Path:

@@ -276,6 +276,9 @@ class Session:
         self._idle_s = 0.0  # rank 0: seconds waiting for a command since the last train reply
         self._last_reply: float | None = None  # rank 0: when the last train reply was answered
         self._overlap_warned = False
+        if self.rank == 0:  # update files of this site's killed predecessors (never released)
+            for path in handoff.sweep_stale(f"{self.site}-update"):
+                log.info("site %s: removed the hand-off file %s of a trainer that no longer runs", self.site, path)
         if config.site.checkpoint_every:
             self.resume()
 
@@ -722,9 +725,13 @@ class Session:
 
         try:
             digests = self.gather(put if writer is not None else None)
-        finally:
-            if writer is not None:
+        except BaseException:
+            if writer is not None:  # no reply will name this file: free its memory now
                 writer.close()
+                handoff.release(writer.handle.path)
+            raise
+        if writer is not None:
+            writer.close()
         handle = writer.handle if writer is not None else None
         if handle is not None and self.config.site.dump_updates:
             dump = Path(self.config.workdir) / "updates"

@@ -4,6 +4,8 @@ group of one); the same under ddp/zero2/zero3 on two ranks is in tests/test_work
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -213,6 +215,10 @@ def test_session_refuses_misuse(group, tmp_path):
         with pytest.raises(SessionError, match="reported twice"):
             sess.serve_one("Train", request, lambda rnd: (rnd.report(num_examples=1, loss=1.0),
                                                           rnd.report(num_examples=1)))
+        # the first report answered with an update file that only a relay would have released
+        answered = list(handoff.scratch_dir().glob(f"sovfl-s-update-{os.getpid()}-*"))
+        assert len(answered) == 1
+        handoff.release(str(answered[0]))
         with pytest.raises(SessionError, match="an evaluation round must report loss"):
             sess.serve_one("Evaluate", request, lambda rnd: rnd.report(num_examples=3))
         reply = sess.serve_one("Evaluate", request, lambda rnd: rnd.report(num_examples=3, loss=0.5, accuracy=1.0))

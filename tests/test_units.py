@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -128,6 +129,30 @@ def test_handoff_reader_copies_one_array_at_a_time_and_outlives_the_file(tmp_pat
             assert got.shape == v.shape and got.flags.writeable
             got[...] = 0  # a copy: the file is untouched
         np.testing.assert_array_equal(reader["a"], arrays["a"])
+
+
+def test_handoff_sweep_removes_only_files_of_dead_writers_of_its_tag(tmp_path):
+    """A rank killed while it wrote its update leaves its hand-off file behind (in /dev/shm: memory);
+    the next trainer of that site removes it, and nothing of a live process or of another tag."""
+    code = ("import sys; from site_trainer import handoff; "
+            "print(handoff.Writer({'w': ('<f4', (4,))}, sys.argv[1], sys.argv[2]).handle.path)")
+    dead = subprocess.run([sys.executable, "-c", code, "s-update", str(tmp_path)], capture_output=True, text=True,
+                          check=True).stdout.strip()  # the process has exited, its file is still there
+    other_tag = subprocess.run([sys.executable, "-c", code, "s2-update", str(tmp_path)], capture_output=True,
+                               text=True, check=True).stdout.strip()
+    with handoff.Writer({"w": ("<f4", (4,))}, "s-update", tmp_path) as mine:  # this (live) process's
+        pass
+    with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) as sleeper:
+        try:
+            live = tmp_path / f"sovfl-s-update-{sleeper.pid}-0123456789ab"
+            live.write_bytes(b"x")
+            stray = tmp_path / "sovfl-s-update-notes.txt"  # not a hand-off file's name
+            stray.write_bytes(b"x")
+            assert handoff.sweep_stale("s-update", tmp_path) == [dead]
+            assert live.exists() and stray.exists() and Path(other_tag).exists() and Path(mine.handle.path).exists()
+            assert not Path(dead).exists()
+        finally:
+            sleeper.kill()
 
 
 def test_handoff_writer_refuses_a_tensor_of_another_layout(tmp_path):
