@@ -117,6 +117,7 @@ def our_config(path: Path, workdir: Path, model_dir: Path, args) -> Path:
             "name": "wan-time-to-loss", "rounds": args.ours_rounds or args.rounds, "quorum": SITES,
             "update_kind": "delta", "evaluate": True, "seed": args.seed,
             "strategy": "diloco", "overlap": True, "error_feedback": True,
+            "overlap_max_steps_factor": args.overlap_max_steps_factor,
             "codec": f"int8:clip={clip!r}", "downlink_codec": args.downlink_codec,
             "round_target_s": args.round_target_s,
             "link": {"probe_seconds": 0.5, "max_local_steps": args.max_local_steps,
@@ -124,7 +125,8 @@ def our_config(path: Path, workdir: Path, model_dir: Path, args) -> Path:
                      "min_local_steps": max(1, args.local_steps // 4)},
             "deadlines": {"connect_s": 300, "round_s": 1200, "evaluate_s": 600, "secagg_stage_s": 600,
                           "trainer_start_s": 600},
-            "secagg": {"enabled": True, "threshold": 2, "clip": clip},
+            "secagg": {"enabled": True, "threshold": 2, "clip": clip,
+                       **({"max_weight": args.secagg_max_weight} if args.secagg_max_weight else {})},
         },
         "workload": {"task": "hf-causal-lm", "options": {
             "model_dir": str(model_dir), "data": str(workdir / "data" / "{site}" / "train" / "*.txt"),
@@ -289,6 +291,11 @@ def main() -> int:
     ap.add_argument("--downlink-codec", default="int8", help="ours: federation.downlink_codec (the global model's "
                     "steps to the sites; 'identity': the dense model every message, as Flower sends it)")
     ap.add_argument("--secagg-clip", type=float, default=0.05, help="ours: SecAgg+'s clip (and the int8 codecs')")
+    ap.add_argument("--overlap-max-steps-factor", type=float, default=1.0, help="ours: "
+                    "federation.overlap_max_steps_factor (background steps until the next request, up to this x the "
+                    "round's local steps)")
+    ap.add_argument("--secagg-max-weight", type=int, default=0, help="ours: secagg.max_weight (0: its default); "
+                    "smaller weights make the ring narrower (fewer bytes up), the sites' weights rounded to that many levels")
     ap.add_argument("--text-kb", type=int, default=90, help="kB of stdlib text per site (90%% train, 10%% val)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-flower", action="store_true", help="ours only (no target: ours_s is the last round's time)")
