@@ -110,7 +110,8 @@ def test_masked_from_the_file_is_bit_for_bit_the_whole_masking(tmp_path, bits, c
         inline = masked.inline_records()
         assert list(inline.keys()) == list(whole.keys())
         for k, arr in whole.items():
-            assert (inline[k].dtype, tuple(inline[k].shape), inline[k].stype) == (arr.dtype, tuple(arr.shape), arr.stype)
+            got = (inline[k].dtype, tuple(inline[k].shape), inline[k].stype)
+            assert got == (arr.dtype, tuple(arr.shape), arr.stype)
             assert bytes(inline[k].data) == bytes(arr.data), k
         assert masked.packed_bytes == sum(len(a.data) - 128 for a in whole.values())  # .npy headers of 128 bytes
         # the references resolve, from the blob as the coordinator receives it, to the same Arrays

@@ -184,7 +184,8 @@ class SecAggClient:
         w = FixedPointCodec(self.config.clip, spec.bits, spec.levels, spec.weight_bound).check_weight(weight)
         self.receive_shares(request)
         assert self.params is not None
-        return self._mask_chunks(int(length) + 1, _Encoder(self.params.codec, int(length), read, w, noise_key(rng)).fill)
+        encoder = _Encoder(self.params.codec, int(length), read, w, noise_key(rng))
+        return self._mask_chunks(int(length) + 1, encoder.fill)
 
     def mask_encoded(self, request: bytes, ring_vector: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
         """Stage 3 for an input already encoded in the ring (any uint32 vector, values < 2^b);

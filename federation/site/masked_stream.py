@@ -100,7 +100,8 @@ class UpdateValues:
                     bad.append(e.name)
                     break
         if bad:
-            raise UpdateError(f"update tensors {bad} contain NaN or Inf (local training diverged?); do not send this update")
+            raise UpdateError(f"update tensors {bad} contain NaN or Inf (local training diverged?); "
+                              "do not send this update")
 
     def whole(self) -> np.ndarray:
         """All values in a fresh array (test hooks only: the point of this class is not to)."""
@@ -114,7 +115,8 @@ class MaskedFile:
     """A masked update in a file: each chunk's .npy Array bytes back to back (one bulk blob)."""
 
     blob: Blob
-    chunks: list[tuple[int, int, int, int]] = field(default_factory=list)  # word offset, file offset, .npy bytes, packed bytes
+    # per chunk: its word offset, file offset, .npy bytes, packed bytes
+    chunks: list[tuple[int, int, int, int]] = field(default_factory=list)
     record_key: ClassVar[str] = SECAGG_CHUNKS  # the reply's record that references the file
 
     @property
