@@ -8,7 +8,9 @@ and its security argument):
   values in a fixed order (identity: the update's tensors in sorted-name order; other codecs: their
   value vector), masked in the ring chunk by chunk, each chunk packed at the ring's width. The
   reply carries those chunks instead of the update (the protection mod does not envelope it: the
-  sum is what opens);
+  sum is what opens). On the data path an identity update is never whole here: it is masked from
+  the trainer's hand-off file into a file the bulk mod uploads (masked_stream.py), bit for bit
+  the chunks of the whole path;
 - a query carries SECAGG stage 4 (unmask): the shares that remove the masks.
 Any message (those two, a discovery or prepare query) may also carry SECAGG_SETUP: the plan of a
 coming round. The site draws that round's fresh mask key and self-mask seed, seals their Shamir
@@ -142,7 +144,7 @@ def _mask_reply(msg: Message, context: Context, env: SiteEnv, reply: Message, ma
             source.close()
     if streamed is not None:
         env.outgoing, rec = streamed
-        chunks, upload = env.outgoing.records(), float(env.outgoing.packed_bytes)
+        chunks, upload = env.outgoing.records(), float(env.outgoing.blob.size)  # the chunks' .npy bytes, as below
     else:
         st = reply.content.config_records[keys.STATUS]
         masked = on_train(msg, context, env.site, update_of(reply), int(st["num_examples"]), masking)
