@@ -253,5 +253,6 @@ def test_masked_upload_of_a_300mb_update_runs_in_chunk_window_memory(tmp_path):
     # 16 MiB read, the blob's digests (8 chunks, 32 MiB), the upload's 4 streams x (16 MiB of gRPC
     # lookahead + 2 x 4 MiB messages), 64 MiB for the allocator between two trims. The update is
     # 300 MiB, its masked words 300 MiB more: masked whole, the ClientApp held both and more.
+    # Measured: 95-97 MiB above the baseline at 300 MiB, 91 at 150 and 95 at 600 (flat: a window).
     window = 16 + 8 + 16 + 32 + 4 * (16 + 2 * 4) + 64
     assert above < window << 20, f"{above / 2**20:.0f} MiB above the baseline for a 300 MiB update"
