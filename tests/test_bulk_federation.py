@@ -126,10 +126,16 @@ def _run(tmp_path, pki, cfg, bulk: bool, fail_every: int = 0, without: set[str] 
 
 @pytest.mark.parametrize("protection", [{"seal": True}, {"secagg": {"enabled": True, "threshold": 2, "clip": 0.5}}],
                          ids=["sealed", "secagg"])
-def test_model_and_updates_travel_on_the_data_path_and_change_nothing(tmp_path, pki, protection):
+def test_model_and_updates_travel_on_the_data_path_and_change_nothing(tmp_path, pki, protection, monkeypatch):
     cfg = _cfg(**protection)
     ref, ref_result, _, ref_grid, _, _ = _run(tmp_path / "flower", pki, cfg, bulk=False)
     assert ref_grid.inline > 0 and ref_grid.refs == 0
+    from federation.site import secagg_mod
+
+    def never(*args, **kwargs):  # on the data path the update is masked from the trainer's file, never whole
+        raise AssertionError("the SecAgg update was masked whole in the ClientApp")
+
+    monkeypatch.setattr(secagg_mod, "on_train", never)
     coord, result, metrics, grid, lines, (bytes_in, bytes_out) = _run(tmp_path / "bulk", pki, cfg, bulk=True)
     assert result["aggregated_rounds"] == ref_result["aggregated_rounds"] == 2
     for k in ref.model:  # the same run, bit for bit
@@ -179,15 +185,20 @@ def test_a_superlink_down_past_the_budget_ends_the_run_with_a_clear_error():
     assert not transient(ValueError("a bug")) and transient(httpx.ReadError("reset"))
 
 
-def test_a_site_that_cannot_write_its_sealed_update_seals_it_in_memory(tmp_path, pki, monkeypatch, capfd):
+@pytest.mark.parametrize("protection,what", [({"seal": True}, "sealed"),
+                                              ({"secagg": {"enabled": True, "threshold": 2, "clip": 0.5}}, "masked")],
+                         ids=["sealed", "secagg"])
+def test_a_site_that_cannot_write_its_update_file_protects_it_in_memory(tmp_path, pki, monkeypatch, capfd,
+                                                                        protection, what):
     """The streamed path's file cannot be written (a full or missing disk): the update is read from
-    the trainer's file and sealed whole, as without the data path, and the rounds complete."""
+    the trainer's file and sealed (or masked) whole, as without the data path, before any mask is
+    drawn, and the rounds complete."""
     from federation.site import update_stream
 
     monkeypatch.setattr(update_stream, "sealed_dir", lambda: str(tmp_path / "no" / "such" / "dir"))
-    cfg = _cfg(seal=True)
+    cfg = _cfg(**protection)
     _, result, metrics, grid, _, _ = _run(tmp_path / "bulk", pki, cfg, bulk=True)
     assert result["aggregated_rounds"] == 2
     assert grid.inline == 0 and all(s["bulk_up_bytes"] > 0 for line in metrics for s in line["sites"].values())
     assert not any(line["rejections"] for line in metrics)
-    assert capfd.readouterr().err.count("cannot write the sealed update to a file") == 4  # 2 sites x 2 rounds
+    assert capfd.readouterr().err.count(f"cannot write the {what} update to a file") == 4  # 2 sites x 2 rounds

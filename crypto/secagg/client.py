@@ -163,15 +163,29 @@ class SecAggClient:
         words, not by a scan beforehand): send a client's chunks only once the generator is
         exhausted, as the server cannot take a partial upload out of the sum again.
         """
-        self._expect(ClientStage.SHARED)
         x = np.asarray(update).reshape(-1)
         if not np.issubdtype(x.dtype, np.floating):
             raise ValueError(f"the update must be a float array, got {x.dtype}")
+        return self.masked_input_from(request, x.shape[0], lambda offset, n: x[offset : offset + n], weight, rng)
+
+    def masked_input_from(
+        self, request: bytes, length: int, read: Callable[[int, int], np.ndarray], weight: int,
+        rng: np.random.Generator | None = None,
+    ) -> Iterator[tuple[int, np.ndarray]]:
+        """Stage 3 as `masked_input`, for an update of `length` values that is never whole in memory:
+        `read(offset, n)` gives values [offset, offset + n) as a float array (valid until the next
+        call; asked for in increasing order, at most `prg.PIECE_WORDS` at a time). The chunks are
+        bit for bit those `masked_input` yields for the vector `read` describes (same noise, same
+        masks): a site can mask an update read a slice at a time from a file."""
+        self._expect(ClientStage.SHARED)
+        if isinstance(length, bool) or int(length) != length or length < 0:
+            raise ValueError(f"the update length must be a non-negative integer, got {length!r}")
         spec, _ = wire.decode_masked_input_request(self.ctx, request, self.id)
         w = FixedPointCodec(self.config.clip, spec.bits, spec.levels, spec.weight_bound).check_weight(weight)
         self.receive_shares(request)
         assert self.params is not None
-        return self._mask_chunks(x.shape[0] + 1, _Encoder(self.params.codec, x, w, noise_key(rng)).fill)
+        encoder = _Encoder(self.params.codec, int(length), read, w, noise_key(rng))
+        return self._mask_chunks(int(length) + 1, encoder.fill)
 
     def mask_encoded(self, request: bytes, ring_vector: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
         """Stage 3 for an input already encoded in the ring (any uint32 vector, values < 2^b);
@@ -296,18 +310,22 @@ class SecAggClient:
 class _Encoder:
     """Fills pieces of the plain ring vector [encode(x), weight] in increasing offset order."""
 
-    def __init__(self, codec: FixedPointCodec, x: np.ndarray, weight: int, noise: bytes) -> None:
-        self.codec, self.x, self.weight, self.noise_key = codec, x, weight, noise
+    def __init__(self, codec: FixedPointCodec, length: int, read: Callable[[int, int], np.ndarray], weight: int,
+                 noise: bytes) -> None:
+        self.codec, self.length, self.read, self.weight, self.noise_key = codec, length, read, weight, noise
         self.noise: Any = None  # rounding-noise stream: half-word i rounds parameter i
         self.scratch = np.empty(PIECE_WORDS)
 
     def fill(self, offset: int, piece: np.ndarray, expander: MaskExpander) -> None:
-        p = self.x.shape[0]
-        m = max(0, min(piece.shape[0], p - offset))  # parameter words; the weight word follows
+        m = max(0, min(piece.shape[0], self.length - offset))  # parameter words; the weight word follows
         if m:
             if self.noise is None:
                 self.noise = expander.open(self.noise_key, offset // 2)  # offsets are multiples of 4
             r = expander.next(self.noise, (m + 1) // 2).view(np.uint16)[:m]  # used before the masks reuse the buffer
-            self.codec.encode_into(self.x[offset : offset + m], self.weight, piece[:m], r, self.scratch)
+            x = np.asarray(self.read(offset, m))
+            if x.shape != (m,) or not np.issubdtype(x.dtype, np.floating):
+                raise ValueError(f"values [{offset}, {offset + m}) of the update: got {x.dtype} {x.shape}, "
+                                 f"expected {m} floats")
+            self.codec.encode_into(x, self.weight, piece[:m], r, self.scratch)
         if m < piece.shape[0]:
             piece[m] = self.weight

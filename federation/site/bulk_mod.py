@@ -133,8 +133,8 @@ def bulk_mod(msg: Message, context: Context, call_next) -> Message:
         figures = {}
         if down:
             figures.update(bulk_down_bytes=float(down), bulk_down_s=down_s)
-        if env.sealed is not None and keys.UPDATE in reply.content.array_records:
-            figures.update(_upload_sealed(bulk, msg, reply))
+        if env.outgoing is not None and env.outgoing.record_key in reply.content.array_records:
+            figures.update(_upload_file(bulk, msg, reply))
         if bulk.told and bulk.client is not None and has_big(reply.content, bulk.inline_max):
             figures.update(_upload(bulk, msg, reply))
         if figures and keys.METRICS in reply.content.metric_records:
@@ -173,15 +173,16 @@ def _release(env: SiteEnv) -> None:
     if env.update_source is not None:
         env.update_source.close()
         env.update_source = None
-    if env.sealed is not None:
-        env.sealed.close()
-        env.sealed = None
+    if env.outgoing is not None:
+        env.outgoing.close()
+        env.outgoing = None
 
 
-def _upload_sealed(bulk: SiteBulk, msg: Message, reply: Message) -> dict[str, float]:
-    """Upload the sealed update's file (the reply references it already); when the data path
-    cannot take it, the body goes into the reply for Flower to carry, and the log says why."""
-    sealed, t0 = bulk.env.sealed, time.perf_counter()
+def _upload_file(bulk: SiteBulk, msg: Message, reply: Message) -> dict[str, float]:
+    """Upload the update's file (sealed, or SecAgg's masked chunks; the reply references it
+    already); when the data path cannot take it, its bytes go into the reply for Flower to carry,
+    and the log says why."""
+    sealed, t0 = bulk.env.outgoing, time.perf_counter()
     why = None
     if not (bulk.told and bulk.client is not None):
         why = "this site is not on the data path"
@@ -192,7 +193,7 @@ def _upload_sealed(bulk: SiteBulk, msg: Message, reply: Message) -> dict[str, fl
             why = str(err)
     if why is not None:
         _say(f"site {bulk.env.site}: update NOT sent on the data path ({why}); sending it through Flower")
-        reply.content[keys.UPDATE] = sealed.inline_records()
+        reply.content[sealed.record_key] = sealed.inline_records()
         return {"bulk_fallback": 1.0}
     return {"bulk_up_bytes": float(sealed.blob.size), "bulk_up_s": time.perf_counter() - t0,
             "bulk_retries": float(bulk.client.retries)}

@@ -97,10 +97,10 @@ def _trainer_call(msg: Message, context: Context, *methods: str) -> tuple[SiteEn
 
 def streams_update(env: SiteEnv, msg: Message) -> bool:
     """Whether the update can go from the trainer's file to the coordinator without being whole in
-    this process: signed (and maybe sealed) by the protection mod, not encoded by a codec nor
-    masked by SecAgg (both need the whole vector), and uploaded on the data path."""
-    return (env.bulk_direct and env.bundle is not None and keys.SECAGG not in msg.content.config_records
-            and env.config.codec == "identity")
+    this process: signed (and maybe sealed) by the protection mod, or masked by the SecAgg mod, a
+    chunk at a time into a file (update_stream.py, masked_stream.py), not encoded by a codec (top-k
+    and the residual need the whole vector), and uploaded on the data path."""
+    return env.bulk_direct and env.bundle is not None and env.config.codec == "identity"
 
 
 def train(msg: Message, context: Context) -> Message:
@@ -117,7 +117,7 @@ def train(msg: Message, context: Context) -> Message:
     trained = res[-1]
     dense = float(trained.dense_bytes())
     if trained.source is not None and streams_update(env, msg):
-        env.update_source = trained.source  # the protection mod seals it from the file (update_stream.py)
+        env.update_source = trained.source  # the protection mod seals it, or the SecAgg mod masks it, from the file
         out = RecordDict({keys.UPDATE: ArrayRecord(), keys.UPDATE_META: ConfigRecord({})})
     elif trained.source is not None:
         try:

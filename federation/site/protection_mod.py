@@ -62,7 +62,7 @@ def protection_mod(msg: Message, context: Context, call_next) -> Message:
             source.close()
         else:
             source.close()
-            env.sealed = sealed  # the bulk mod uploads the file (or puts the body in the message)
+            env.outgoing = sealed  # the bulk mod uploads the file (or puts the body in the message)
             reply.content[keys.UPDATE], reply.content[keys.UPDATE_META] = sealed.records()
             reply.content.metric_records[keys.METRICS]["upload_bytes"] = float(sealed.body_len)
             return reply

@@ -8,7 +8,9 @@ and its security argument):
   values in a fixed order (identity: the update's tensors in sorted-name order; other codecs: their
   value vector), masked in the ring chunk by chunk, each chunk packed at the ring's width. The
   reply carries those chunks instead of the update (the protection mod does not envelope it: the
-  sum is what opens);
+  sum is what opens). On the data path an identity update is never whole here: it is masked from
+  the trainer's hand-off file into a file the bulk mod uploads (masked_stream.py), bit for bit
+  the chunks of the whole path;
 - a query carries SECAGG stage 4 (unmask): the shares that remove the masks.
 Any message (those two, a discovery or prepare query) may also carry SECAGG_SETUP: the plan of a
 coming round. The site draws that round's fresh mask key and self-mask seed, seals their Shamir
@@ -47,6 +49,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import zlib
 from pathlib import Path
 
@@ -78,11 +81,13 @@ from federation.protocol.pipeline import Payload
 from federation.protocol.secagg_records import Request, chunk_key, reply_record
 from federation.protocol.update_codec import codec_meta
 from federation.site.codec_mod import rounding_seed
+from federation.site.masked_stream import MaskedFile, UpdateValues, mask_to_file, writer_for
 from federation.site.replies import fail, ok, update_of
 from federation.site.site_env import SiteEnv, load_bundle, site_env
+from federation.site.update_stream import reader_records
 
-__all__ = ["Request", "SecAggSiteError", "chunk_array", "on_setup", "on_train", "on_unmask", "secagg_mod",
-           "values_vector"]
+__all__ = ["Request", "SecAggSiteError", "chunk_array", "on_setup", "on_train", "on_train_streamed", "on_unmask",
+           "secagg_mod", "values_vector"]
 
 STATE = keys.SECAGG  # this mod's record in context.state
 log = logging.getLogger("sovfl.secagg_site")
@@ -108,13 +113,7 @@ def secagg_mod(msg: Message, context: Context, call_next) -> Message:
     if not ok(reply):
         return _with_setup(reply, msg, context, env.site) if setup_req else reply
     if masking is not None:
-        st = reply.content.config_records[keys.STATUS]
-        masked = on_train(msg, context, env.site, update_of(reply), int(st["num_examples"]), masking)
-        del reply.content[keys.UPDATE], reply.content[keys.UPDATE_META]
-        reply.content[keys.SECAGG_CHUNKS] = masked[keys.SECAGG_CHUNKS]
-        reply.content[keys.SECAGG] = masked[keys.SECAGG]
-        reply.content.metric_records[keys.METRICS]["upload_bytes"] = float(
-            sum(len(a.data) for a in masked[keys.SECAGG_CHUNKS].values()))
+        _mask_reply(msg, context, env, reply, masking)
     elif stage_req:
         answer = on_unmask(msg, context, env.site)
         if not isinstance(answer, ConfigRecord):  # a failure reply that says why
@@ -129,6 +128,31 @@ def secagg_mod(msg: Message, context: Context, call_next) -> Message:
         except SecAggError as err:
             status["secagg_error"] = str(err)
     return reply
+
+
+def _mask_reply(msg: Message, context: Context, env: SiteEnv, reply: Message, masking: Masking) -> None:
+    """Replace the reply's update by its masked chunks: streamed from the trainer's file into a file
+    the bulk mod uploads when the update is still there (client_app.streams_update), else whole."""
+    source, env.update_source = env.update_source, None
+    streamed = None
+    if source is not None:
+        try:
+            streamed = on_train_streamed(context, env.site, source, masking)
+            if streamed is None:  # no room for the file: read the update whole, as without the data path
+                reply.content[keys.UPDATE] = reader_records(source)
+        finally:
+            source.close()
+    if streamed is not None:
+        env.outgoing, rec = streamed
+        chunks, upload = env.outgoing.records(), float(env.outgoing.blob.size)  # the chunks' .npy bytes, as below
+    else:
+        st = reply.content.config_records[keys.STATUS]
+        masked = on_train(msg, context, env.site, update_of(reply), int(st["num_examples"]), masking)
+        chunks, rec = masked[keys.SECAGG_CHUNKS], masked[keys.SECAGG]
+        upload = float(sum(len(a.data) for a in chunks.values()))
+    del reply.content[keys.UPDATE], reply.content[keys.UPDATE_META]
+    reply.content[keys.SECAGG_CHUNKS], reply.content[keys.SECAGG] = chunks, rec
+    reply.content.metric_records[keys.METRICS]["upload_bytes"] = upload
 
 
 def _with_setup(failed: Message, msg: Message, context: Context, site: str) -> Message:
@@ -351,7 +375,68 @@ def values_vector(payload: Payload) -> np.ndarray:
 
 def on_train(msg: Message, context: Context, site: str, payload: Payload, num_examples: int,
              masking: Masking) -> dict:
-    """Stage 3: mask the encoded update; the reply's SECAGG_CHUNKS and SECAGG records."""
+    """Stage 3: mask the encoded update, whole in memory; the reply's SECAGG_CHUNKS and SECAGG records."""
+    chunks: dict = {}
+    manifest = ChunkManifest()
+
+    def keep(offset: int, words: np.ndarray, bits: int) -> None:
+        packed = ring.pack_words(words, bits)  # a fresh array: words is reused
+        chunks[chunk_key(offset)] = chunk_array(packed)
+        manifest.add(offset, words.shape[0], packed)
+
+    def mask(rng, weight: int) -> tuple[bytes, int]:
+        client = masking.client
+        for offset, words in client.masked_input(masking.req.request, x, weight, rng=rng):
+            keep(offset, words, client.params.codec.bits)
+        return manifest.encode(), len(chunks)
+
+    try:
+        x = values_vector(payload)
+    except (CodecError, ValueError) as err:
+        raise SecAggSiteError(f"site {site}: secagg stage 3: {type(err).__name__}: {err}") from None
+    rec = _stage3(context, site, masking, x.shape[0], lambda: x, mask)
+    return {keys.SECAGG_CHUNKS: ArrayRecord(chunks), keys.SECAGG: rec}
+
+
+def on_train_streamed(context: Context, site: str, source, masking: Masking) -> tuple[MaskedFile, ConfigRecord] | None:
+    """Stage 3 on an identity update still in the trainer's hand-off file (`source`, a handoff
+    Reader): masked a chunk at a time into a file (masked_stream.py), never whole here. The
+    MaskedFile (its blob for the bulk mod) and the reply's SECAGG record; None if the file cannot
+    be reserved (nothing is masked yet: the caller masks in memory, as without the data path)."""
+    try:
+        values = UpdateValues(source)
+        values.check_finite()
+        spec, _ = decode_masked_input_request(masking.req.ctx, masking.req.request, masking.client.id)
+    except (SecAggError, CodecError, ValueError, OSError) as err:
+        raise SecAggSiteError(f"site {site}: secagg stage 3: {type(err).__name__}: {err}") from None
+    try:
+        writer = writer_for(masking.client, values, spec.bits, site)
+    except OSError as err:
+        print(f"[sovfl site] site {site}: cannot write the masked update to a file ({err}); masking it in memory",
+              file=sys.stderr, flush=True)
+        return None
+    made: list[MaskedFile] = []
+
+    def mask(rng, weight: int) -> tuple[bytes, int]:
+        masked, manifest = mask_to_file(masking.client, masking.req.request, values, weight, writer, rng=rng)
+        made.append(masked)
+        return manifest, len(masked.chunks)
+
+    try:
+        rec = _stage3(context, site, masking, values.length, values.whole, mask)
+    except BaseException:
+        writer.discard()
+        for m in made:
+            m.close()
+        raise
+    return made[0], rec
+
+
+def _stage3(context: Context, site: str, masking: Masking, length: int, whole, mask) -> ConfigRecord:
+    """What both ways of masking share: the request's weight and length checked against the update,
+    then `mask(rng, weight)` (-> the manifest of the chunks made, their number), with the round's state saved as
+    masked whatever happens from there (masks are single use), and the signed SECAGG record.
+    `whole()` gives the values whole, for the test-only dump hook."""
     req, st, client, bundle = masking.req, masking.st, masking.client, masking.bundle
     try:
         try:
@@ -360,30 +445,22 @@ def on_train(msg: Message, context: Context, site: str, payload: Payload, num_ex
             raise MalformedMessageError(f"stage-3 request without weight / vector_len ({err})") from None
         if not 1 <= weight <= client.config.max_weight:
             raise ProtocolViolationError(f"weight {weight} outside [1, {client.config.max_weight}]")
-        x = values_vector(payload)
-        if x.shape[0] != vector_len:
-            raise ProtocolViolationError(f"the encoded update has {x.shape[0]} values, the round expects {vector_len}")
+        if length != vector_len:
+            raise ProtocolViolationError(f"the encoded update has {length} values, the round expects {vector_len}")
         # everything below commits this round's masks: the state is saved as MASKED even if it fails
-        chunks, manifest = {}, ChunkManifest()
         try:
-            rng = _dump_rng(context, x, weight, req, client.id)
+            rng = _dump_rng(context, whole, weight, req, client.id)
             if rng is None and (seed := rounding_seed(context)) is not None:  # reproducible runs (codec_mod.py)
                 rng = np.random.default_rng([seed, req.ctx.round, zlib.crc32(site.encode())])
-            gen = client.masked_input(req.request, x, weight, rng=rng)
-            bits = client.params.codec.bits
-            for offset, words in gen:
-                packed = ring.pack_words(words, bits)  # a fresh array: words is reused
-                chunks[chunk_key(offset)] = chunk_array(packed)
-                manifest.add(offset, words.shape[0], packed)
+            manifest, count = mask(rng, weight)
         finally:
             st[f"r{req.ctx.round}"], st["last_masked"] = client.to_state(), req.ctx.round
             _forget(st, req.ctx.round)
             _save(context, st)
-        rec = _signed_reply(req, bundle, manifest.encode(), chunks=len(chunks), vector_len=vector_len, weight=weight,
-                            bits=bits)
+        return _signed_reply(req, bundle, manifest, chunks=count, vector_len=vector_len, weight=weight,
+                             bits=client.params.codec.bits)
     except (SecAggError, CodecError, ValueError, OSError) as err:
         raise SecAggSiteError(f"site {site}: secagg stage 3: {type(err).__name__}: {err}") from None
-    return {keys.SECAGG_CHUNKS: ArrayRecord(chunks), keys.SECAGG: rec}
 
 
 # ---- test-only hooks ------------------------------------------------------------------------------
@@ -404,12 +481,13 @@ def _fault(context: Context, rnd: int, stage: int) -> None:
             raise RuntimeError(f"test fault injected: vanished {when} stage '{kv[when]}' of round {rnd}")
 
 
-def _dump_rng(context: Context, x: np.ndarray, weight: int, req: Request, me: int):
+def _dump_rng(context: Context, whole, weight: int, req: Request, me: int):
     """Test only (node config `secagg-dump-dir`): the seeded rounding generator, after writing the
-    encoded ring vector it will produce (the same noise key drives both)."""
+    encoded ring vector it will produce (the same noise key drives both). `whole()`: the values."""
     where = str(context.node_config.get("secagg-dump-dir", "") or "")
     if not where:
         return None
+    x = whole()
     spec, _ = decode_masked_input_request(req.ctx, req.request, me)
     from crypto.secagg import FixedPointCodec
 

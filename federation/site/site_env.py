@@ -57,8 +57,9 @@ class SiteEnv:
         self.bulk_direct = False  # the reply's large Arrays will go on the coordinator's data path
         self.bulk_places: dict[str, dict[str, tuple[str, int]]] = {}  # record -> array -> (file, offset)
         self.downloads: list = []  # DownloadedBlob: the message's blobs, in /dev/shm files
-        self.update_source = None  # handoff.Reader: the trainer's update, not yet read (train -> protection)
-        self.sealed = None  # SealedFile: the enveloped update in a file (protection -> bulk)
+        self.update_source = None  # handoff.Reader: the trainer's update, not yet read (train -> protection or secagg)
+        self.outgoing = None  # the update in a file, to upload: SealedFile (protection -> bulk) or MaskedFile
+        #                       (secagg -> bulk); `record_key` names the reply record that references it
 
     @staticmethod
     def current(context: Context) -> "SiteEnv | None":

@@ -21,6 +21,7 @@ import os
 import tempfile
 import uuid
 from dataclasses import dataclass
+from typing import ClassVar
 from io import BytesIO
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord
 from crypto.envelope_stream import body_length, make_envelope_stream
 from crypto.pki import SiteBundle
 from federation.protocol.bulk import REF_STYPE, Blob, Ref
+from federation.protocol.message_keys import UPDATE
 from federation.protocol.envelope_layout import ARRAY, HEADER, SIGNATURE
 from federation.protocol.payload_records import MalformedRecord, parse_array
 from federation.protocol.pipeline import RoundContext
@@ -39,7 +41,8 @@ _SHM = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
 _ALIGN = 64  # where appended arrays start in a downloaded file (as handoff.py lays out its own)
 
 
-def _scratch(tag: str, directory: str | Path | None = None) -> Path:
+def scratch_path(tag: str, directory: str | Path | None = None) -> Path:
+    """A fresh file name of this process in `directory` (default /dev/shm)."""
     base = Path(directory) if directory else (_SHM or Path(tempfile.gettempdir()))
     return base / f"sovfl-{tag}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
@@ -60,7 +63,7 @@ class DownloadedBlob:
 def download_file(size: int, fill) -> DownloadedBlob:
     """A fresh file of `size` bytes in /dev/shm, filled by `fill(fd)` (the bulk client writes each
     verified chunk at its place), then mapped without reading it."""
-    path = _scratch("blob")
+    path = scratch_path("blob")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, size)
@@ -162,6 +165,7 @@ class SealedFile:
     header: bytes
     signature: bytes
     body_len: int
+    record_key: ClassVar[str] = UPDATE  # the reply's record that references the file
 
     def records(self) -> tuple[ArrayRecord, ConfigRecord]:
         """The reply's UPDATE record (one reference to the blob) and UPDATE_META (header, signature)."""
@@ -203,7 +207,7 @@ def seal_to_file(reader: handoff.Reader, bundle: SiteBundle, seal: bool, ctx: Ro
     src = PackedSource(reader)
     body_len = body_length(src.size, _ENVELOPE_CHUNK, seal)
     head = npy_header(body_len)
-    path = _scratch(f"{bundle.name}-sealed", directory or sealed_dir())
+    path = scratch_path(f"{bundle.name}-sealed", directory or sealed_dir())
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, len(head) + body_len)
