@@ -98,15 +98,21 @@ def unpack_words(buf: np.ndarray, bits: int, count: int) -> np.ndarray:
     if spare and int(b[-1]) >> spare:
         raise ValueError("the padding bits after the last word are not zero")
     groups = -(-count // 8)
-    full = np.zeros(groups * bits + 4, dtype=np.uint8)  # 4 spare bytes: every 5-byte read stays inside
+    if groups == 0:
+        return np.empty(0, dtype=np.uint32)
+    # word k of group g starts at bit k*bits of the group's `bits` bytes: one unaligned 8-byte read
+    # per word (a strided little-endian uint64 view; numpy reads unaligned views bytewise), shifted
+    # and masked, 8 vectorised steps in all (the same words as gathering their 5 bytes one by one,
+    # about 5x faster; the coordinator unpacks every site's masked vector)
+    full = np.zeros(groups * bits + 8, dtype=np.uint8)  # 8 spare bytes: every 8-byte read stays inside
     full[: b.shape[0]] = b
     out = np.empty((groups, 8), dtype=np.uint32)
     mask = np.uint64((1 << bits) - 1)
-    base = np.arange(groups) * bits
+    tmp = np.empty(groups, dtype=np.uint64)
     for k in range(8):
-        start, shift = divmod(k * bits, 8)
-        v = np.zeros(groups, dtype=np.uint64)
-        for j in range(5):
-            v |= full[base + start + j].astype(np.uint64) << np.uint64(8 * j)
-        out[:, k] = (v >> np.uint64(shift)) & mask
+        start, shift = divmod(k * bits, 8)  # shift + bits <= 7 + 31: inside the 64 bits read
+        v = np.ndarray((groups,), dtype="<u8", buffer=full, offset=start, strides=(bits,))
+        np.right_shift(v, np.uint64(shift), out=tmp)
+        np.bitwise_and(tmp, mask, out=tmp)
+        out[:, k] = tmp
     return out.reshape(-1)[:count]
