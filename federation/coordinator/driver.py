@@ -50,6 +50,7 @@ from federation.coordinator.link_book import LinkBook
 from federation.coordinator.manifest_check import BaseCheck
 from federation.coordinator.plain_round import PlainRound
 from federation.coordinator.polling import PollSchedule
+from federation.coordinator.reply_folds import Folds
 from federation.coordinator.resume import checkpoint_round, resume_run
 from federation.coordinator.retry_grid import RetryingGrid
 from federation.coordinator.round_planner import RoundPlanner
@@ -97,11 +98,15 @@ class Traffic:
 
 def stage_timing(name: str, result: ExchangeResult, aggregate_s: float = 0.0) -> dict:
     """One stage's line in the metrics' `timing.stages`."""
-    return {"stage": name, "seconds": round(result.seconds, 4), "push_s": round(result.push_s, 4),
+    line = {"stage": name, "seconds": round(result.seconds, 4), "push_s": round(result.push_s, 4),
             "wait_s": round(result.wait_s, 4), "receive_s": round(result.receive_s, 4),
             "aggregate_s": round(aggregate_s, 4), "replies": len(result.by_node),
             "slowest_reply_s": round(max(result.by_node.values(), default=0.0), 4),
             "messages": result.msg_cost}
+    if result.receive_spans:  # a streamed stage: each site's fold (start, end after the push began), their sum
+        line["receive_busy_s"] = round(result.receive_busy_s, 4)
+        line["receive_spans"] = {k: [round(a, 4), round(b, 4)] for k, (a, b) in sorted(result.receive_spans.items())}
+    return line
 
 
 class Coordinator:
@@ -203,13 +208,15 @@ class Coordinator:
         # a little TTL beyond our deadline so a site's own timeout report can still get through
         return Message(rd, dst_node_id=node, message_type=message_type, ttl=deadline_s + 10), seen
 
-    def exchange(self, ex: Exchange, receive: Callable[[Reply], None] | None = None) -> ExchangeResult:
+    def exchange(self, ex: Exchange, receive: Callable[[Reply], None] | None = None,
+                 workers: int = 1) -> ExchangeResult:
         """Push one message per node (with the riders' records) and collect replies until all
         answered or the deadline; riders' own messages go out too but are not waited for.
 
         With `receive`, each good reply is handed over as soon as it is pulled and not kept
-        (replies are pulled one at a time), so a stage of large replies holds at most one;
-        without, the good replies come back in the result."""
+        (replies are pulled one at a time), so a stage of large replies holds at most `workers`
+        of them: with more than one, `receive` runs on that many threads while the driver goes on
+        pulling (reply_folds.py); without `receive`, the good replies come back in the result."""
         result, t0 = ExchangeResult(), time.monotonic()
         riders = list(self.riders)
         built = [self._message(node, ex.content(node), ex.message_type, ex.deadline_s, riders) for node in ex.nodes]
@@ -239,32 +246,44 @@ class Coordinator:
         result.push_s = time.monotonic() - t0
         end = time.monotonic() + ex.deadline_s
         poll = PollSchedule()  # (polling.py: how often a wait asks the SuperLink)
-        while pending and time.monotonic() < end:
-            self._pull_side()
-            batches = [[mid] for mid in pending] if receive else [list(pending)]
-            for batch in batches:
-                for reply in self.grid.pull_messages(batch):
-                    entry = pending.pop(reply.metadata.reply_to_message_id, None)
-                    if entry is None:
-                        continue
-                    node, seen = entry
-                    result.by_node[node] = time.monotonic() - t0
-                    if reply.has_content():
-                        result.msg_cost[names[node]] = message_cost.split(reply.content, pushed, time.time())
-                    if not self._bulk_in(result, names[node], reply):
+        folds = Folds(receive, workers, t0, result) if receive else None
+        try:
+            while pending and time.monotonic() < end:
+                self._pull_side()
+                batches = [[mid] for mid in pending] if receive else [list(pending)]
+                for batch in batches:
+                    if folds is not None and not folds.room():
+                        break  # every worker holds a reply: the others wait on the SuperLink until one is done
+                    for reply in self.grid.pull_messages(batch):
+                        entry = pending.pop(reply.metadata.reply_to_message_id, None)
+                        if entry is None:
+                            continue
+                        node, seen = entry
+                        result.by_node[node] = time.monotonic() - t0
+                        if reply.has_content():
+                            result.msg_cost[names[node]] = message_cost.split(reply.content, pushed, time.time())
+                        if not self._bulk_in(result, names[node], reply):
+                            for rider in seen:
+                                rider.take(node, None)
+                            continue
                         for rider in seen:
-                            rider.take(node, None)
-                        continue
-                    for rider in seen:
-                        rider.take(node, reply)
-                    good = self._check_reply(result, names[node], node, reply)
-                    if good is not None:
-                        t1 = time.monotonic()
-                        (receive or result.replies.append)(good)
-                        result.receive_s += time.monotonic() - t1
-                    reply = good = None  # streamed: drop this reply before the next pull
-            if pending:
-                time.sleep(max(0.0, min(poll.next_wait(), end - time.monotonic())))
+                            rider.take(node, reply)
+                        good = self._check_reply(result, names[node], node, reply)
+                        if good is not None:
+                            if folds is not None:
+                                folds.submit(good)
+                            else:
+                                result.replies.append(good)
+                        reply = good = None  # streamed: drop this reply before the next pull
+                if pending:
+                    wait_s = max(0.0, min(poll.next_wait(), end - time.monotonic()))
+                    folds.wait(wait_s) if folds is not None else time.sleep(wait_s)
+        except BaseException:
+            if folds is not None:
+                folds.close(raise_errors=False)  # no fold left running on the strategy's state
+            raise
+        if folds is not None:
+            folds.close()  # every fold done before the stage's aggregate (a fold's error is raised here)
         self._pull_side()
         if self.bulk is not None:
             self.bulk.stage_over()
@@ -353,7 +372,8 @@ class Coordinator:
                 if ex is None:
                     continue
                 stage_hook.entered(ex.stage, state)  # test hook: inert unless SOVFL_TEST_STAGE_HOOK is set
-                result = self.exchange(ex, partial(step.receive, state) if step.receive else None)
+                result = self.exchange(ex, partial(step.receive, state) if step.receive else None,
+                                       self.fed.receive_workers if step.concurrent else 1)
                 traffic.down += result.bytes_down
                 traffic.up += result.bytes_up
                 t0 = time.monotonic()

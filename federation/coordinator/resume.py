@@ -14,7 +14,8 @@ round depends on, so a resumed run is the run that would have happened:
   from the checkpoint, so each round appears exactly once whatever the moment of the crash;
 - the configuration: a resume under a different configuration is refused, naming each field
   that changed (only `federation.deadlines`, `federation.checkpoint_keep`,
-  `federation.site_restarts` and `federation.data_path` may change: they do not enter the computation).
+  `federation.site_restarts`, `federation.data_path` and `federation.receive_workers` may change:
+  they do not enter the computation).
 
 What is deliberately not restored, and why:
 
@@ -52,7 +53,7 @@ if TYPE_CHECKING:
     from federation.coordinator.driver import Coordinator
 
 RESUMABLE = ("federation.deadlines", "federation.checkpoint_keep", "federation.site_restarts",
-             "federation.data_path")  # may differ on resume
+             "federation.data_path", "federation.receive_workers")  # may differ on resume
 
 
 class ResumeRefused(ConfigError):
