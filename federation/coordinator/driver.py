@@ -44,6 +44,7 @@ from federation.coordinator.bulk_path import BulkPath, ref_bytes
 from federation.coordinator.bulk_server import BulkServer
 from federation.coordinator.aggregate import ServerOptimizer
 from federation.coordinator.checkpoint import CheckpointStore
+from federation.coordinator.checkpoint_writer import CheckpointWriter
 from federation.coordinator.downlink_sender import DownlinkSender
 from federation.coordinator.evaluation import EvalRider, Evaluation
 from federation.coordinator.link_book import LinkBook
@@ -51,7 +52,7 @@ from federation.coordinator.manifest_check import BaseCheck
 from federation.coordinator.plain_round import PlainRound
 from federation.coordinator.polling import PollSchedule
 from federation.coordinator.reply_folds import Folds
-from federation.coordinator.resume import checkpoint_round, resume_run
+from federation.coordinator.resume import checkpoint_job, checkpoint_round, resume_run
 from federation.coordinator.retry_grid import RetryingGrid
 from federation.coordinator.round_planner import RoundPlanner
 from federation.coordinator import stage_hook
@@ -162,6 +163,11 @@ class Coordinator:
         self._side: dict[str, tuple[int, list[Rider], float]] = {}
         self.messages: Counter[int] = Counter()  # messages sent per node over the run (round trips)
         self.checkpoints = CheckpointStore(self.workdir / "checkpoints", self.fed.checkpoint_keep, self.progress)
+        # `run` writes each round's checkpoint on a thread while the next round goes on (checkpoint_writer.py);
+        # a round run on its own (`run_round`: tools, tests) writes it before returning, as before
+        self.checkpoint_writer = CheckpointWriter()
+        self.background_checkpoints = False
+        self._checkpoint_wait_s = 0.0  # this round's waits for the previous round's checkpoint
         self.history: list[dict] = []  # the metrics lines of the rounds done (restored by a resume)
         # the link probe and the per-round choice of codec and local steps (link_book.py, round_planner.py)
         self.links = LinkBook(self.fed.link, self.progress) if self.fed.probing else None
@@ -376,6 +382,7 @@ class Coordinator:
                                        self.fed.receive_workers if step.concurrent else 1)
                 traffic.down += result.bytes_down
                 traffic.up += result.bytes_up
+                self.settle_checkpoint()  # the previous round's, before anything is aggregated
                 t0 = time.monotonic()
                 step.aggregate(state, result)
                 if self.bulk is not None:  # the stage's uploads are folded in: their files go
@@ -737,6 +744,10 @@ class Coordinator:
         if out.per_site:
             line["compression_ratio"] = dense * len(out.per_site) / max(
                 1, sum(s.get("upload_bytes", dense) for s in out.per_site.values()))
+        self.settle_checkpoint()  # the model and the optimizer's state change below
+        if self.background_checkpoints:
+            timing["checkpoint_wait_s"] = round(self._checkpoint_wait_s, 4)
+        self._checkpoint_wait_s = 0.0
         if out.mean is not None and out.count >= self.fed.quorum:
             t1 = time.monotonic()
             self.model = self.opt.step(self.model, out.mean, consume=True, in_place=True)
@@ -778,11 +789,32 @@ class Coordinator:
             self.commit_line(rnd, line)
         return line
 
+    def settle_checkpoint(self) -> None:
+        """Wait for the checkpoint being written in the background, if any (its error is raised)."""
+        self._checkpoint_wait_s += self.checkpoint_writer.wait()
+
     def commit_line(self, rnd: int, line: dict) -> None:
         """Checkpoint the round, then append its metrics line: a resume rewrites metrics.jsonl from
-        the checkpoint's history, so a line is never written for a round that has no checkpoint."""
+        the checkpoint's history, so a line is never written for a round that has no checkpoint.
+        With `background_checkpoints` (`run`) both are written on a thread of their own from a
+        snapshot taken here, and the next round goes on (checkpoint_writer.py): `round_s` then
+        leaves the write out and `timing.checkpoint_s` is the write's own seconds."""
         self.history.append(line)
         stage_hook.entered("checkpoint", rnd=rnd)  # test hook: inert unless SOVFL_TEST_STAGE_HOOK is set
+        self.settle_checkpoint()
+        if self.background_checkpoints:
+            write_checkpoint, record, path = checkpoint_job(self, rnd), json.loads(json.dumps(line)), self.metrics_path
+
+            def write() -> None:
+                t0 = time.monotonic()
+                write_checkpoint()
+                record["timing"]["checkpoint_s"] = round(time.monotonic() - t0, 4)
+                with path.open("a") as f:
+                    f.write(json.dumps(record) + "\n")
+
+            self.checkpoint_writer.start(write, lambda _: line["timing"].update(
+                checkpoint_s=record["timing"].get("checkpoint_s")))
+            return
         t0 = time.monotonic()
         checkpoint_round(self, rnd)
         # known only after the write: the checkpoint's copy of this line lacks it (a resumed run's
@@ -800,6 +832,33 @@ class Coordinator:
             resume_run(self)
         self.wait_for_sites()
         history = self.history
+        self.background_checkpoints = True
+        try:
+            self._rounds()
+        except BaseException:
+            try:  # the checkpoint in flight is finished (the process would wait for its thread anyway)
+                self.checkpoint_writer.wait()
+            except Exception as err:  # the run's own error is the one to raise
+                log.warning("the last checkpoint could not be written: %s", err)
+            raise
+        self.settle_checkpoint()  # every round's checkpoint and metrics line are on disk
+        evals = [(h["eval_model_round"], h["eval_loss"]) for h in history if "eval_loss" in h]
+        if history and "final_eval_loss" in history[-1]:
+            evals.append((self.fed.rounds, history[-1]["final_eval_loss"]))
+        trained = [loss for model_round, loss in evals if model_round >= 1]
+        return {
+            "status": "ok" if any(h["status"] == "aggregated" for h in history) else "failed",
+            "rounds": len(history),
+            "aggregated_rounds": sum(h["status"] == "aggregated" for h in history),
+            # the global model evaluated after round 1, and after the last round
+            "first_loss": trained[0] if trained else None,
+            "last_loss": trained[-1] if trained else None,
+            "rejections": dict(self.rejections),
+            "messages_per_site": self.messages_per_site(),
+        }
+
+    def _rounds(self) -> None:
+        """Every round from `start_round` on (the last one with the final evaluation)."""
         for rnd in range(self.start_round, self.fed.rounds + 1):
             last = rnd == self.fed.rounds
             line = self.run_round(rnd, write=not (last and self.fed.evaluate))
@@ -815,17 +874,3 @@ class Coordinator:
             fin = f" final_eval_loss={line['final_eval_loss']:.4f}" if "final_eval_loss" in line else ""
             self.progress(f"round {rnd}/{self.fed.rounds} {line['status']}: {len(line['sites'])} site(s) "
                           f"[{losses}]{ev}{acc}{fin} in {line['round_s']:.1f}s")
-        evals = [(h["eval_model_round"], h["eval_loss"]) for h in history if "eval_loss" in h]
-        if history and "final_eval_loss" in history[-1]:
-            evals.append((self.fed.rounds, history[-1]["final_eval_loss"]))
-        trained = [loss for model_round, loss in evals if model_round >= 1]
-        return {
-            "status": "ok" if any(h["status"] == "aggregated" for h in history) else "failed",
-            "rounds": len(history),
-            "aggregated_rounds": sum(h["status"] == "aggregated" for h in history),
-            # the global model evaluated after round 1, and after the last round
-            "first_loss": trained[0] if trained else None,
-            "last_loss": trained[-1] if trained else None,
-            "rejections": dict(self.rejections),
-            "messages_per_site": self.messages_per_site(),
-        }
