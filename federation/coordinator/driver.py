@@ -283,7 +283,10 @@ class Coordinator:
                         reply = good = None  # streamed: drop this reply before the next pull
                 if pending:
                     wait_s = max(0.0, min(poll.next_wait(), end - time.monotonic()))
-                    folds.wait(wait_s) if folds is not None else time.sleep(wait_s)
+                    if folds is not None:
+                        folds.wait(wait_s)  # woken early when a fold ends: its slot can take the next reply
+                    else:
+                        time.sleep(wait_s)
         except BaseException:
             if folds is not None:
                 folds.close(raise_errors=False)  # no fold left running on the strategy's state
