@@ -52,7 +52,8 @@ def neg(a: np.ndarray, bits: int) -> np.ndarray:
 # Words are packed little-endian at bit level, word i in bits [i*b, (i+1)*b) of the buffer; the
 # last byte's unused high bits are zero (and checked so: one word vector has one encoding).
 # Eight words always fill exactly b bytes, so word k of every group of eight sits at the same bit
-# offset k*b of its group: packing is 8 x 5 vectorised shifts and ORs over the groups, whatever b.
+# offset k*b of its group: packing and unpacking are 8 vectorised steps over the groups (a few shifts,
+# ORs and masks on 64-bit words each), whatever b.
 
 
 def packed_nbytes(count: int, bits: int) -> int:
