@@ -230,7 +230,8 @@ def test_rounds_with_dropouts_at_every_stage_then_abort_then_recovery(tmp_path):
     # the aborted round left the global model as round 4 made it
     assert all(np.array_equal(after[5][k], after[4][k]) for k in SHAPES)
     assert any(np.abs(coord.model[k] - model0[k]).max() > 0 for k in SHAPES)
-    # the coordinator never held two masked vectors at once
+    # the coordinator pulled one masked vector at a time (it folds at most receive_workers at once:
+    # tests/test_concurrent_receive.py)
     assert grid.max_pulled == 1
     # sites forgot their round secrets after answering the unmask request (the last round: no next one set up)
     state = context_from_proto(grid.sites[min(grid.sites)].context).state.config_records[RECORD]

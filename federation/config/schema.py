@@ -123,6 +123,9 @@ class FederationConfig(StrictModel):
     site_restarts: SiteRestarts = Field(default_factory=SiteRestarts, description="restart budget of each site's "
                                         "trainer pool and SuperNode (federation/config/restart_config.py)")
     data_path: DataPath = Field(default_factory=DataPath, description="the bulk data path beside Flower")
+    receive_workers: int = Field(3, ge=1, le=32, description="SecAgg+ masked replies the coordinator checks and "
+                                 "adds at once, each on a thread of its own, while it pulls the next; it holds at "
+                                 "most this many replies (1: one after the other). Results do not depend on it")
     round_target_s: float | None = Field(None, gt=0, description="choose each round's codec (from link.codecs) and "
                                          "local steps so that the slowest site's transfer and compute fit this many "
                                          "seconds, from the measured links (off when unset)")

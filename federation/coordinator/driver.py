@@ -44,13 +44,15 @@ from federation.coordinator.bulk_path import BulkPath, ref_bytes
 from federation.coordinator.bulk_server import BulkServer
 from federation.coordinator.aggregate import ServerOptimizer
 from federation.coordinator.checkpoint import CheckpointStore
+from federation.coordinator.checkpoint_writer import CheckpointWriter
 from federation.coordinator.downlink_sender import DownlinkSender
 from federation.coordinator.evaluation import EvalRider, Evaluation
 from federation.coordinator.link_book import LinkBook
 from federation.coordinator.manifest_check import BaseCheck
 from federation.coordinator.plain_round import PlainRound
 from federation.coordinator.polling import PollSchedule
-from federation.coordinator.resume import checkpoint_round, resume_run
+from federation.coordinator.reply_folds import Folds
+from federation.coordinator.resume import checkpoint_job, checkpoint_round, resume_run
 from federation.coordinator.retry_grid import RetryingGrid
 from federation.coordinator.round_planner import RoundPlanner
 from federation.coordinator import stage_hook
@@ -97,11 +99,15 @@ class Traffic:
 
 def stage_timing(name: str, result: ExchangeResult, aggregate_s: float = 0.0) -> dict:
     """One stage's line in the metrics' `timing.stages`."""
-    return {"stage": name, "seconds": round(result.seconds, 4), "push_s": round(result.push_s, 4),
+    line = {"stage": name, "seconds": round(result.seconds, 4), "push_s": round(result.push_s, 4),
             "wait_s": round(result.wait_s, 4), "receive_s": round(result.receive_s, 4),
             "aggregate_s": round(aggregate_s, 4), "replies": len(result.by_node),
             "slowest_reply_s": round(max(result.by_node.values(), default=0.0), 4),
             "messages": result.msg_cost}
+    if result.receive_spans:  # a streamed stage: each site's fold (start, end after the push began), their sum
+        line["receive_busy_s"] = round(result.receive_busy_s, 4)
+        line["receive_spans"] = {k: [round(a, 4), round(b, 4)] for k, (a, b) in sorted(result.receive_spans.items())}
+    return line
 
 
 class Coordinator:
@@ -157,6 +163,11 @@ class Coordinator:
         self._side: dict[str, tuple[int, list[Rider], float]] = {}
         self.messages: Counter[int] = Counter()  # messages sent per node over the run (round trips)
         self.checkpoints = CheckpointStore(self.workdir / "checkpoints", self.fed.checkpoint_keep, self.progress)
+        # `run` writes each round's checkpoint on a thread while the next round goes on (checkpoint_writer.py);
+        # a round run on its own (`run_round`: tools, tests) writes it before returning, as before
+        self.checkpoint_writer = CheckpointWriter()
+        self.background_checkpoints = False
+        self._checkpoint_wait_s = 0.0  # this round's waits for the previous round's checkpoint
         self.history: list[dict] = []  # the metrics lines of the rounds done (restored by a resume)
         # the link probe and the per-round choice of codec and local steps (link_book.py, round_planner.py)
         self.links = LinkBook(self.fed.link, self.progress) if self.fed.probing else None
@@ -203,13 +214,15 @@ class Coordinator:
         # a little TTL beyond our deadline so a site's own timeout report can still get through
         return Message(rd, dst_node_id=node, message_type=message_type, ttl=deadline_s + 10), seen
 
-    def exchange(self, ex: Exchange, receive: Callable[[Reply], None] | None = None) -> ExchangeResult:
+    def exchange(self, ex: Exchange, receive: Callable[[Reply], None] | None = None,
+                 workers: int = 1) -> ExchangeResult:
         """Push one message per node (with the riders' records) and collect replies until all
         answered or the deadline; riders' own messages go out too but are not waited for.
 
         With `receive`, each good reply is handed over as soon as it is pulled and not kept
-        (replies are pulled one at a time), so a stage of large replies holds at most one;
-        without, the good replies come back in the result."""
+        (replies are pulled one at a time), so a stage of large replies holds at most `workers`
+        of them: with more than one, `receive` runs on that many threads while the driver goes on
+        pulling (reply_folds.py); without `receive`, the good replies come back in the result."""
         result, t0 = ExchangeResult(), time.monotonic()
         riders = list(self.riders)
         built = [self._message(node, ex.content(node), ex.message_type, ex.deadline_s, riders) for node in ex.nodes]
@@ -239,32 +252,47 @@ class Coordinator:
         result.push_s = time.monotonic() - t0
         end = time.monotonic() + ex.deadline_s
         poll = PollSchedule()  # (polling.py: how often a wait asks the SuperLink)
-        while pending and time.monotonic() < end:
-            self._pull_side()
-            batches = [[mid] for mid in pending] if receive else [list(pending)]
-            for batch in batches:
-                for reply in self.grid.pull_messages(batch):
-                    entry = pending.pop(reply.metadata.reply_to_message_id, None)
-                    if entry is None:
-                        continue
-                    node, seen = entry
-                    result.by_node[node] = time.monotonic() - t0
-                    if reply.has_content():
-                        result.msg_cost[names[node]] = message_cost.split(reply.content, pushed, time.time())
-                    if not self._bulk_in(result, names[node], reply):
+        folds = Folds(receive, workers, t0, result) if receive else None
+        try:
+            while pending and time.monotonic() < end:
+                self._pull_side()
+                batches = [[mid] for mid in pending] if receive else [list(pending)]
+                for batch in batches:
+                    if folds is not None and not folds.room():
+                        break  # every worker holds a reply: the others wait on the SuperLink until one is done
+                    for reply in self.grid.pull_messages(batch):
+                        entry = pending.pop(reply.metadata.reply_to_message_id, None)
+                        if entry is None:
+                            continue
+                        node, seen = entry
+                        result.by_node[node] = time.monotonic() - t0
+                        if reply.has_content():
+                            result.msg_cost[names[node]] = message_cost.split(reply.content, pushed, time.time())
+                        if not self._bulk_in(result, names[node], reply):
+                            for rider in seen:
+                                rider.take(node, None)
+                            continue
                         for rider in seen:
-                            rider.take(node, None)
-                        continue
-                    for rider in seen:
-                        rider.take(node, reply)
-                    good = self._check_reply(result, names[node], node, reply)
-                    if good is not None:
-                        t1 = time.monotonic()
-                        (receive or result.replies.append)(good)
-                        result.receive_s += time.monotonic() - t1
-                    reply = good = None  # streamed: drop this reply before the next pull
-            if pending:
-                time.sleep(max(0.0, min(poll.next_wait(), end - time.monotonic())))
+                            rider.take(node, reply)
+                        good = self._check_reply(result, names[node], node, reply)
+                        if good is not None:
+                            if folds is not None:
+                                folds.submit(good)
+                            else:
+                                result.replies.append(good)
+                        reply = good = None  # streamed: drop this reply before the next pull
+                if pending:
+                    wait_s = max(0.0, min(poll.next_wait(), end - time.monotonic()))
+                    if folds is not None:
+                        folds.wait(wait_s)  # woken early when a fold ends: its slot can take the next reply
+                    else:
+                        time.sleep(wait_s)
+        except BaseException:
+            if folds is not None:
+                folds.close(raise_errors=False)  # no fold left running on the strategy's state
+            raise
+        if folds is not None:
+            folds.close()  # every fold done before the stage's aggregate (a fold's error is raised here)
         self._pull_side()
         if self.bulk is not None:
             self.bulk.stage_over()
@@ -353,9 +381,11 @@ class Coordinator:
                 if ex is None:
                     continue
                 stage_hook.entered(ex.stage, state)  # test hook: inert unless SOVFL_TEST_STAGE_HOOK is set
-                result = self.exchange(ex, partial(step.receive, state) if step.receive else None)
+                result = self.exchange(ex, partial(step.receive, state) if step.receive else None,
+                                       self.fed.receive_workers if step.concurrent else 1)
                 traffic.down += result.bytes_down
                 traffic.up += result.bytes_up
+                self.settle_checkpoint()  # the previous round's, before anything is aggregated
                 t0 = time.monotonic()
                 step.aggregate(state, result)
                 if self.bulk is not None:  # the stage's uploads are folded in: their files go
@@ -717,6 +747,10 @@ class Coordinator:
         if out.per_site:
             line["compression_ratio"] = dense * len(out.per_site) / max(
                 1, sum(s.get("upload_bytes", dense) for s in out.per_site.values()))
+        self.settle_checkpoint()  # the model and the optimizer's state change below
+        if self.background_checkpoints:
+            timing["checkpoint_wait_s"] = round(self._checkpoint_wait_s, 4)
+        self._checkpoint_wait_s = 0.0
         if out.mean is not None and out.count >= self.fed.quorum:
             t1 = time.monotonic()
             self.model = self.opt.step(self.model, out.mean, consume=True, in_place=True)
@@ -758,11 +792,32 @@ class Coordinator:
             self.commit_line(rnd, line)
         return line
 
+    def settle_checkpoint(self) -> None:
+        """Wait for the checkpoint being written in the background, if any (its error is raised)."""
+        self._checkpoint_wait_s += self.checkpoint_writer.wait()
+
     def commit_line(self, rnd: int, line: dict) -> None:
         """Checkpoint the round, then append its metrics line: a resume rewrites metrics.jsonl from
-        the checkpoint's history, so a line is never written for a round that has no checkpoint."""
+        the checkpoint's history, so a line is never written for a round that has no checkpoint.
+        With `background_checkpoints` (`run`) both are written on a thread of their own from a
+        snapshot taken here, and the next round goes on (checkpoint_writer.py): `round_s` then
+        leaves the write out and `timing.checkpoint_s` is the write's own seconds."""
         self.history.append(line)
         stage_hook.entered("checkpoint", rnd=rnd)  # test hook: inert unless SOVFL_TEST_STAGE_HOOK is set
+        self.settle_checkpoint()
+        if self.background_checkpoints:
+            write_checkpoint, record, path = checkpoint_job(self, rnd), json.loads(json.dumps(line)), self.metrics_path
+
+            def write() -> None:
+                t0 = time.monotonic()
+                write_checkpoint()
+                record["timing"]["checkpoint_s"] = round(time.monotonic() - t0, 4)
+                with path.open("a") as f:
+                    f.write(json.dumps(record) + "\n")
+
+            self.checkpoint_writer.start(write, lambda _: line["timing"].update(
+                checkpoint_s=record["timing"].get("checkpoint_s")))
+            return
         t0 = time.monotonic()
         checkpoint_round(self, rnd)
         # known only after the write: the checkpoint's copy of this line lacks it (a resumed run's
@@ -780,6 +835,33 @@ class Coordinator:
             resume_run(self)
         self.wait_for_sites()
         history = self.history
+        self.background_checkpoints = True
+        try:
+            self._rounds()
+        except BaseException:
+            try:  # the checkpoint in flight is finished (the process would wait for its thread anyway)
+                self.checkpoint_writer.wait()
+            except Exception as err:  # the run's own error is the one to raise
+                log.warning("the last checkpoint could not be written: %s", err)
+            raise
+        self.settle_checkpoint()  # every round's checkpoint and metrics line are on disk
+        evals = [(h["eval_model_round"], h["eval_loss"]) for h in history if "eval_loss" in h]
+        if history and "final_eval_loss" in history[-1]:
+            evals.append((self.fed.rounds, history[-1]["final_eval_loss"]))
+        trained = [loss for model_round, loss in evals if model_round >= 1]
+        return {
+            "status": "ok" if any(h["status"] == "aggregated" for h in history) else "failed",
+            "rounds": len(history),
+            "aggregated_rounds": sum(h["status"] == "aggregated" for h in history),
+            # the global model evaluated after round 1, and after the last round
+            "first_loss": trained[0] if trained else None,
+            "last_loss": trained[-1] if trained else None,
+            "rejections": dict(self.rejections),
+            "messages_per_site": self.messages_per_site(),
+        }
+
+    def _rounds(self) -> None:
+        """Every round from `start_round` on (the last one with the final evaluation)."""
         for rnd in range(self.start_round, self.fed.rounds + 1):
             last = rnd == self.fed.rounds
             line = self.run_round(rnd, write=not (last and self.fed.evaluate))
@@ -795,17 +877,3 @@ class Coordinator:
             fin = f" final_eval_loss={line['final_eval_loss']:.4f}" if "final_eval_loss" in line else ""
             self.progress(f"round {rnd}/{self.fed.rounds} {line['status']}: {len(line['sites'])} site(s) "
                           f"[{losses}]{ev}{acc}{fin} in {line['round_s']:.1f}s")
-        evals = [(h["eval_model_round"], h["eval_loss"]) for h in history if "eval_loss" in h]
-        if history and "final_eval_loss" in history[-1]:
-            evals.append((self.fed.rounds, history[-1]["final_eval_loss"]))
-        trained = [loss for model_round, loss in evals if model_round >= 1]
-        return {
-            "status": "ok" if any(h["status"] == "aggregated" for h in history) else "failed",
-            "rounds": len(history),
-            "aggregated_rounds": sum(h["status"] == "aggregated" for h in history),
-            # the global model evaluated after round 1, and after the last round
-            "first_loss": trained[0] if trained else None,
-            "last_loss": trained[-1] if trained else None,
-            "rejections": dict(self.rejections),
-            "messages_per_site": self.messages_per_site(),
-        }

@@ -1,8 +1,8 @@
 """How often the coordinator asks the SuperLink for replies while a stage waits.
 
 Each poll is a request to the SuperLink, one per pending message in a streamed stage (replies are
-pulled one at a time so that the coordinator never holds two large ones), and each costs the
-SuperLink and the ServerApp CPU that the sites' trainers and ClientApps on the same cores wait for.
+pulled one at a time so that the coordinator holds at most `federation.receive_workers` large
+ones), and each costs the SuperLink and the ServerApp CPU that the sites' trainers and ClientApps on the same cores wait for.
 A reply from a real SuperNode cannot come back sooner than the SuperNode's next pull, a fresh
 ClientApp process (about half a second of imports) and the SuperNode's 0.5 s check for its reply
 (flwr 1.41). So after the first pull, which is immediate and finds every reply of an in-process

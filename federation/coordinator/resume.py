@@ -1,7 +1,8 @@
 """Resume a run from its last completed round (`sovfl coordinator --resume`, `sovfl simulate --resume`).
 
-After every round (aggregated or skipped) the driver calls `checkpoint_round`, before the round's
-metrics line reaches metrics.jsonl. The checkpoint (checkpoint.py) holds everything the next
+After every round (aggregated or skipped) the driver writes the round's checkpoint
+(`checkpoint_job`: on a thread of its own while the next round goes on, checkpoint_writer.py),
+before the round's metrics line reaches metrics.jsonl. The checkpoint (checkpoint.py) holds everything the next
 round depends on, so a resumed run is the run that would have happened:
 
 - the global model and the server optimizer's state (FedAdam/FedYogi moments, DiLoCo's momentum
@@ -14,7 +15,8 @@ round depends on, so a resumed run is the run that would have happened:
   from the checkpoint, so each round appears exactly once whatever the moment of the crash;
 - the configuration: a resume under a different configuration is refused, naming each field
   that changed (only `federation.deadlines`, `federation.checkpoint_keep`,
-  `federation.site_restarts` and `federation.data_path` may change: they do not enter the computation).
+  `federation.site_restarts`, `federation.data_path` and `federation.receive_workers` may change:
+  they do not enter the computation).
 
 What is deliberately not restored, and why:
 
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -52,7 +55,7 @@ if TYPE_CHECKING:
     from federation.coordinator.driver import Coordinator
 
 RESUMABLE = ("federation.deadlines", "federation.checkpoint_keep", "federation.site_restarts",
-             "federation.data_path")  # may differ on resume
+             "federation.data_path", "federation.receive_workers")  # may differ on resume
 
 
 class ResumeRefused(ConfigError):
@@ -123,25 +126,41 @@ def _downlink_arrays(coord: "Coordinator") -> tuple[dict, dict]:
     return arrays, state
 
 
-def checkpoint_round(coord: "Coordinator", rnd: int) -> Path:
-    """Checkpoint the run after round `rnd` (its metrics line is the last of `coord.history`)."""
+def checkpoint_job(coord: "Coordinator", rnd: int) -> Callable[[], Path]:
+    """Round `rnd`'s checkpoint as the run holds it now (its metrics line is the last of
+    `coord.history`); the returned call writes it, on the driver's thread or on one of its own
+    (driver.py, `CheckpointWriter`). What the next round changes before it waits for the write is
+    copied here: the JSON state (serialized now), the lists of arrays. The arrays themselves are
+    taken as they are: the model and the optimizer's state change only when the next round's
+    mean update is applied, and the driver waits for the write before that; the downlink's
+    reference and steps are replaced, never written into, when the next model goes out."""
     down_arrays, down_state = _downlink_arrays(coord)
-    arrays = {"model": coord.model, "optimizer": coord.opt.state()}
+    arrays = {"model": dict(coord.model), "optimizer": dict(coord.opt.state())}
     if down_arrays:
         arrays["downlink"] = down_arrays
     seed = coord.fed.seed
-    state = {
+    state = json.loads(json.dumps({
         "round": rnd,
         "rounds": coord.fed.rounds,
         "config": config_document(coord.cfg),
         "seed_schedule": {"seed": seed, "round_seeds": [round_seed(seed, r) for r in range(1, rnd + 1)]},
-        "model_digest": model_digest(coord.model),
         "rejections": dict(coord.rejections),
         "downlink": down_state,
         "metrics": coord.history,
         "flower_run_id": int(coord.run_id),
-    }
-    return coord.checkpoints.save(rnd, arrays, state)
+    }))
+    store = coord.checkpoints
+
+    def write() -> Path:
+        state["model_digest"] = model_digest(arrays["model"])
+        return store.save(rnd, arrays, state)
+
+    return write
+
+
+def checkpoint_round(coord: "Coordinator", rnd: int) -> Path:
+    """Checkpoint the run after round `rnd` (its metrics line is the last of `coord.history`)."""
+    return checkpoint_job(coord, rnd)()
 
 
 # ---- reading ---------------------------------------------------------------------------------

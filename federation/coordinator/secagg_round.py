@@ -48,8 +48,16 @@ wrap for their number and largest weight; masked values travel packed at its wid
 
 Memory: masked chunks are added to the SecAggServer's single uint32 accumulator (P + 1 words) as
 each stage-3 reply is pulled (`receive_masked_input`), and the reply is dropped right away; the
-driver pulls a streamed stage's replies one message id at a time, so at most one site's masked
-vector is held besides the accumulator: O(P), not O(N·P).
+driver pulls a streamed stage's replies one message id at a time, so at most
+`federation.receive_workers` sites' masked vectors are held besides the accumulator: O(P), not
+O(N·P).
+
+Concurrency: stage 3's replies are checked and added on up to `receive_workers` threads at once
+(driver.py, reply_folds.py), so the three 63 MB replies of a WAN round no longer wait for one
+another. Each fold hashes, verifies and unpacks its own chunks unlocked, adds each chunk holding
+the accumulator's stripes it covers (`StripeLocks`), and updates the round's bookkeeping (replay
+guard, rejections, per-site metrics) under the state's lock. The sum is bit for bit the same in
+any order: ring words add modulo 2^32, and nothing of the stage is a float sum.
 
 Weights: a site's weight is its num_examples (as reported at site discovery), an integer the ring
 carries next to the masked vector. When some sampled site has more than `max_weight` examples, every
@@ -67,6 +75,7 @@ feedback does not see that clip or the fixed-point rounding (zero-mean, below on
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -97,6 +106,7 @@ from crypto.secagg import wire as secagg_wire
 from crypto.secagg.signing import verify
 from federation.config.schema import FederationConfig
 from federation.coordinator.envelope_opener import PageDropper
+from federation.coordinator.reply_folds import StripeLocks
 from federation.coordinator.strategy import Exchange, ExchangeResult, Reply, RoundInput, RoundOutcome, Step, site_metrics
 from federation.protocol.codecs import Arrays, UpdateSpec, parse_codec
 from federation.protocol.message_keys import MASKED_INPUT, SECAGG, SECAGG_SETUP, SETUP, STAGE_NAMES, STATUS, UNMASK
@@ -210,6 +220,8 @@ class SecAggState:
     live: list[int] = field(default_factory=list)  # nodes masking (U2)
     survivors: list[int] = field(default_factory=list)  # nodes whose masked input is in the sum (U3)
     weights: dict[int, int] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # stage 3's folds run on several threads
+    stripes: StripeLocks | None = None  # the accumulator's stripes, made with the crypto server
 
     @property
     def ctx(self) -> secagg.RoundContext:
@@ -278,7 +290,8 @@ class SecAggRound:
 
     def steps(self) -> tuple[Step[SecAggState], ...]:
         """Stages 3 and 4 (the setups rode on earlier messages)."""
-        return (Step(self.configure_masked_input, self.aggregate_masked_input, self.receive_masked_input),
+        return (Step(self.configure_masked_input, self.aggregate_masked_input, self.receive_masked_input,
+                     concurrent=True),
                 Step(self.configure_unmask, self.aggregate_unmask))
 
     def layout(self, inp: RoundInput) -> tuple[int, Callable[[np.ndarray], Arrays] | None]:
@@ -355,6 +368,7 @@ class SecAggRound:
             st.out.failed.setdefault(st.names[n], "secagg: too few live neighbours after the setup")
         st.stage = MASKED_INPUT
         params = st.server.params
+        st.stripes = StripeLocks(st.vector_len + 1, params.chunk_words)
         st.info.update(roster=len(setups_plan(st).members), live=len(st.live), threshold=params.threshold,
                        degree=params.degree, levels=params.codec.levels, bits=params.codec.bits,
                        weight_bound=params.codec.max_weight, clip=params.codec.clip, vector_len=st.vector_len)
@@ -376,7 +390,8 @@ class SecAggRound:
         return Exchange("secagg stage 3 (train)", "train", st.live, content, deadline)
 
     def receive_masked_input(self, st: SecAggState, reply: Reply) -> None:
-        """Check one site's masked chunks whole, then add them to the sum and drop the reply."""
+        """Check one site's masked chunks whole, then add them to the sum and drop the reply. Runs
+        on several threads at once, one reply each (module docstring, "Concurrency")."""
         node = reply.node
         try:
             rec = check_reply(reply.message, MASKED_INPUT, st.ctx)
@@ -388,17 +403,23 @@ class SecAggRound:
             for c in chunks:
                 manifest.add(c.offset, c.count, c.packed)
                 drop(c.packed)
-            self.sigs.check(signature_of(rec), manifest.encode(), st.ctx, MASKED_INPUT, st.names[node])
+            with st.lock:  # the run's replay guard
+                self.sigs.check(signature_of(rec), manifest.encode(), st.ctx, MASKED_INPUT, st.names[node])
             for c in chunks:
-                st.server.add_masked_chunk(st.ids[node], c.offset, c.unpacked())
+                words = c.unpacked()  # unlocked: the costly part
+                with st.stripes.hold(c.offset, c.count):
+                    st.server.add_masked_chunk(st.ids[node], c.offset, words)
                 drop(c.packed)
+                del words
         except SecAggMessageError as err:  # add_masked_chunk cannot fail after parse_chunks; if it did, stage 3 aborts
-            self._reject(st, reply.name, err)
+            with st.lock:
+                self._reject(st, reply.name, err)
             return
         metrics = site_metrics(reply)
         metrics["upload_bytes"] = float(sum(c.packed.nbytes for c in chunks))
         metrics["weight"] = st.weights[node]
-        st.out.per_site[reply.name] = metrics
+        with st.lock:
+            st.out.per_site[reply.name] = metrics
 
     def aggregate_masked_input(self, st: SecAggState, result: ExchangeResult) -> None:
         """The survivors: sites whose masked input is in the sum."""
@@ -443,7 +464,7 @@ class SecAggRound:
                     weight_total=result.weight_total, error_bound=result.error_bound(),
                     ring_sum_sha256=hashlib.sha256(memoryview(np.ascontiguousarray(result.ring_sum))).hexdigest())
         # per_site holds train metrics of the sites whose masked input is in the sum, and only those
-        out.per_site = {k: v for k, v in out.per_site.items() if k in contributors}
+        out.per_site = {k: out.per_site[k] for k in sorted(out.per_site) if k in contributors}  # not arrival order
         late = {name: out.failed.pop(name) for name in out.per_site if name in out.failed}
         if late:  # vanished in stage 4: its masked input is in the sum, its seed was rebuilt from shares
             info["unmask_missing"] = late

@@ -87,7 +87,9 @@ class ExchangeResult:
     seconds: float = 0.0
     push_s: float = 0.0  # building and pushing the messages
     wait_s: float = 0.0  # waiting for replies (the sites' work, Flower's delivery, our polling)
-    receive_s: float = 0.0  # folding replies as they arrive (decoding, summing)
+    receive_s: float = 0.0  # folding replies as they arrive (decoding, summing): wall seconds any fold ran
+    receive_busy_s: float = 0.0  # the folds' own seconds added up (above receive_s when they overlapped)
+    receive_spans: dict[str, tuple[float, float]] = field(default_factory=dict)  # site -> its fold's (start, end), s after the push began
     by_node: dict[int, float] = field(default_factory=dict)  # node -> seconds until its reply was pulled
     msg_cost: dict[str, dict[str, float]] = field(default_factory=dict)  # site -> its message's seconds (message_cost.py)
 
@@ -98,11 +100,18 @@ class Step(Generic[S]):
 
     With `receive`, each good reply is handed over as soon as it is pulled and not kept (replies
     are pulled one at a time, so a stage of large replies holds at most one); without it the
-    replies come to `aggregate` together. `configure` returning None skips the stage."""
+    replies come to `aggregate` together. `configure` returning None skips the stage.
+
+    `concurrent`: `receive` may run for several replies at once, each on a thread of its own
+    (`federation.receive_workers` of them), so that one site's large reply is decoded while the
+    next is pulled and decoded; the stage then holds at most that many replies. Only for a
+    `receive` that guards its shared state and whose result does not depend on the order the
+    replies are folded in (SecAgg+'s ring sum: integer addition modulo 2^32)."""
 
     configure: Callable[[S], Exchange | None]
     aggregate: Callable[[S, ExchangeResult], None]
     receive: Callable[[S, Reply], None] | None = None
+    concurrent: bool = False
 
 
 class Rider(Protocol):
