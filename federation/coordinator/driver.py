@@ -48,6 +48,7 @@ from federation.coordinator.downlink_sender import DownlinkSender
 from federation.coordinator.evaluation import EvalRider, Evaluation
 from federation.coordinator.link_book import LinkBook
 from federation.coordinator.manifest_check import BaseCheck
+from federation.coordinator.model_spill import restore_model
 from federation.coordinator.plain_round import PlainRound
 from federation.coordinator.polling import PollSchedule
 from federation.coordinator.resume import checkpoint_round, resume_run
@@ -131,7 +132,7 @@ class Coordinator:
         if self.fed.secagg.enabled:
             from federation.coordinator.secagg_round import SecAggRound
 
-            self.protocol = self.secagg = SecAggRound(self.fed, bundle, self.replay)
+            self.protocol = self.secagg = SecAggRound(self.fed, bundle, self.replay, spill_dir=self.workdir / "spill")
         self.admission: Admission | None = None
         if self.fed.attestation.enabled:
             if bundle is None:
@@ -729,6 +730,7 @@ class Coordinator:
             line["status"] = "aggregated"
             self.aggregated[rnd] = sorted(out.per_site)
         else:
+            restore_model(self.model)  # a SecAgg+ round put it on disk for the step that is not taken
             line["status"] = "skipped"
             self.progress(f"round {rnd}: skipped, {out.count} usable update(s) < quorum {self.fed.quorum}; "
                           "the global model is unchanged")

@@ -49,7 +49,9 @@ wrap for their number and largest weight; masked values travel packed at its wid
 Memory: masked chunks are added to the SecAggServer's single uint32 accumulator (P + 1 words) as
 each stage-3 reply is pulled (`receive_masked_input`), and the reply is dropped right away; the
 driver pulls a streamed stage's replies one message id at a time, so at most one site's masked
-vector is held besides the accumulator: O(P), not O(N·P).
+vector is held besides the accumulator: O(P), not O(N·P). Before the first reply is added, the
+global model goes to disk (model_spill.py) and FedAvg's step writes the new model into the ring's
+own words, so the round never holds the model and the ring at once.
 
 Weights: a site's weight is its num_examples (as reported at site discovery), an integer the ring
 carries next to the masked vector. When some sampled site has more than `max_weight` examples, every
@@ -67,10 +69,12 @@ feedback does not see that clip or the fixed-point rounding (zero-mean, below on
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 from flwr.app import Message, RecordDict
@@ -97,6 +101,7 @@ from crypto.secagg import wire as secagg_wire
 from crypto.secagg.signing import verify
 from federation.config.schema import FederationConfig
 from federation.coordinator.envelope_opener import PageDropper
+from federation.coordinator.model_spill import spill_model
 from federation.coordinator.strategy import Exchange, ExchangeResult, Reply, RoundInput, RoundOutcome, Step, site_metrics
 from federation.protocol.codecs import Arrays, UpdateSpec, parse_codec
 from federation.protocol.message_keys import MASKED_INPUT, SECAGG, SECAGG_SETUP, SETUP, STAGE_NAMES, STATUS, UNMASK
@@ -210,6 +215,7 @@ class SecAggState:
     live: list[int] = field(default_factory=list)  # nodes masking (U2)
     survivors: list[int] = field(default_factory=list)  # nodes whose masked input is in the sum (U3)
     weights: dict[int, int] = field(default_factory=dict)
+    model_spilled: bool = False  # the global model is on disk (model_spill.py) until the step
 
     @property
     def ctx(self) -> secagg.RoundContext:
@@ -223,8 +229,11 @@ class SecAggRound:
 
     aborts = (SecAggAbort,)
 
-    def __init__(self, fed: FederationConfig, bundle: CoordinatorBundle | None, replay: ReplayGuard):
+    def __init__(self, fed: FederationConfig, bundle: CoordinatorBundle | None, replay: ReplayGuard,
+                 spill_dir: Path | None = None):
         self.fed, self.cfg, self.bundle = fed, fed.secagg, bundle
+        self.spill_dir = spill_dir  # where the model waits while the ring exists (model_spill.py; None: in memory)
+        self._spill_lock = threading.Lock()
         self.config_json = fed.secagg.model_dump_json()
         self.sigs = Signatures(bundle, replay)
         self.pending = PendingSetups()
@@ -378,6 +387,10 @@ class SecAggRound:
     def receive_masked_input(self, st: SecAggState, reply: Reply) -> None:
         """Check one site's masked chunks whole, then add them to the sum and drop the reply."""
         node = reply.node
+        with self._spill_lock:  # the ring is about to exist: the model waits on disk until the step
+            if self.spill_dir is not None and not st.model_spilled:
+                st.model_spilled = True
+                spill_model(st.inp.model, self.spill_dir)
         try:
             rec = check_reply(reply.message, MASKED_INPUT, st.ctx)
             # checked whole, then added chunk by chunk: one chunk's words at a time, and the pages of
