@@ -1,19 +1,30 @@
-"""The coordinator's peak memory for one plain sealed round at size, on its real code paths, without
-the rest of a federation (issue 19: coordinator_peak_ratio <= 1.5).
+"""The coordinator's peak memory for one round at size, on its real code paths, without the rest of
+a federation (issue 19: coordinator_peak_ratio <= 1.5).
 
-Two sites' updates of P float32 parameters are sealed with really provisioned keys and written as
-the data path stores an upload (the .npy bytes of the envelope body, WORKDIR/bulk-like files).
-Then, in a fresh process per measurement, the coordinator's code takes them as a reply resolved
-from the data path does (a read-only map of the file: bulk_server.take, bulk.resolve), and runs
-PlainRound.receive_update for each, PlainRound.finish and ServerOptimizer.step (FedAvg, delta,
-consume) on a P-parameter global model: what the ServerApp's driver calls. The process's peak RSS
-(VmHWM) above what it held before the model was made, over P x 4 bytes, is the ratio.
+Sealed round: two sites' updates of P float32 parameters are sealed with really provisioned keys
+and written as the data path stores an upload (the .npy bytes of the envelope body,
+WORKDIR/bulk-like files). Then, in a fresh process per measurement, the coordinator builds the
+round's train message to two sites on the data path (Coordinator.model_message and _message: the
+model written into the offer file tensor by tensor), and its code takes the updates as a reply
+resolved from the data path does (a read-only map of the file: bulk_server.take, bulk.resolve),
+and runs PlainRound.receive_update for each, PlainRound.finish and ServerOptimizer.step (FedAvg,
+delta, consume, in place) on a P-parameter global model: what the ServerApp's driver calls. The
+process's peak RSS (VmHWM) above what it held before the model was made, over P x 4 bytes, is the
+ratio.
 
-`--path inmemory` measures the previous path for comparison (open_envelope into memory, the
-float64 WeightedMean, the dense step), from the same files.
+`--path inmemory` measures the previous path for comparison (the model serialized whole, then
+offloaded and spilled; open_envelope into memory, the float64 WeightedMean, the dense step), from
+the same files.
 
-    python benchmarks/coordinator_memory.py --params 101000000
-Last line: RESULT params=<P> coordinator_peak_ratio=<..> inmemory_ratio=<..>
+`--secagg` also measures a SecAgg+ round's coordinator side (`measure_secagg`: the crypto
+server's ring with two real clients masking into it, the sum decoded into the ring, FedAvg's
+step), with the model on disk while the ring exists (model_spill.py) and, for comparison, in
+memory beside it.
+
+    python benchmarks/coordinator_memory.py --params 101000000 --secagg
+Last line: RESULT params=<P> coordinator_peak_ratio=<..> inmemory_ratio=<..> secagg_peak_ratio=<..> secagg_inmemory_ratio=<..>
+
+Measured 2026-11-26 (2 cores, load 6-10), P = 101M: see README.md ("Whole runs").
 """
 
 from __future__ import annotations
@@ -193,7 +204,8 @@ def measure_secagg(work: Path, params: int, spill: bool) -> dict:
     """A SecAgg+ round's coordinator side at size, on its real code paths: the crypto server's ring
     (SecAggServer, two real clients masking their updates chunk by chunk into it), the unmasked
     sum decoded into the ring's own words (secagg_round.in_ring_mean) and FedAvg's step. `spill`:
-    the model goes to disk before the first masked chunk is added, as SecAggRound does, and the
+    the model goes to disk before the first masked chunk is added, as SecAggRound does once the train
+    messages are built, and the
     step writes the new model into the ring (model_spill.py); else the model stays in memory
     beside the ring (the previous path). The sites' updates are read from files whose pages are
     dropped as the clients read them, so the process's peak is the coordinator's."""
@@ -221,7 +233,7 @@ def measure_secagg(work: Path, params: int, spill: bool) -> dict:
         clients[i], setup = SecAggClient.setup(cfg, plan, i, channel[i])
         server.receive_setup(i, setup)
     live = server.close_setup(weight_bound=100)
-    if spill:  # SecAggRound.receive_masked_input, before the first reply is added
+    if spill:  # SecAggRound, once the train messages are built (before any reply)
         spill_model(model, work / "spill")
     for i in live:
         x = np.memmap(work / f"secagg{i}.f32", np.float32, "r")

@@ -100,7 +100,7 @@ for i in (1, 2):
     clients[i], setup = SecAggClient.setup(cfg, plan, i, channel[i])
     server.receive_setup(i, setup)
 live = server.close_setup(weight_bound=100)
-spill_model(model, work / "spill")  # what SecAggRound.receive_masked_input does before the first reply is added
+spill_model(model, work / "spill")  # what SecAggRound does once the train messages are built
 for i in live:
     x = np.memmap(work / f"u{i}.f32", np.float32, "r")
     for offset, words in clients[i].masked_input(server.masked_input_request(i), x, 10 + i):

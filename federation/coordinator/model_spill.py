@@ -1,10 +1,11 @@
 """The global model on disk while a SecAgg+ round holds its ring (issue 19's coordinator memory).
 
 A SecAgg+ round's sum is a ring of P + 1 words, as large as the float32 model; holding both was 2 x
-the model. Once the round's train messages are pushed (the model went into the data path's offer
-file or into Flower's messages), the model is not read again until FedAvg's step, so it is written
-to a file and its tensors are replaced, in the driver's own dict, by read-only maps of that file
-(`spill_model`). The step then writes the new model into the mean's arrays, which are views of the
+the model. Once the round's train messages are built (the model went into the data path's offer
+file or into Flower's serialized records), the model is not read again until FedAvg's step, so it
+is written to a file and its tensors are replaced, in the driver's own dict, by read-only maps of
+that file (`spill_model`): through the sites' uploads and while the ring exists, the coordinator
+does not hold it. The step then writes the new model into the mean's arrays, which are views of the
 ring's words (secagg_round.in_ring_mean), reading the old model one slice at a time and dropping
 the slice's pages once read (`step_into_mean`): the round holds the ring and bounded windows, never
 the ring and the model. The arithmetic is the in-place step's, element for element.

@@ -49,7 +49,7 @@ wrap for their number and largest weight; masked values travel packed at its wid
 Memory: masked chunks are added to the SecAggServer's single uint32 accumulator (P + 1 words) as
 each stage-3 reply is pulled (`receive_masked_input`), and the reply is dropped right away; the
 driver pulls a streamed stage's replies one message id at a time, so at most one site's masked
-vector is held besides the accumulator: O(P), not O(N·P). Before the first reply is added, the
+vector is held besides the accumulator: O(P), not O(N·P). Once the train messages are built, the
 global model goes to disk (model_spill.py) and FedAvg's step writes the new model into the ring's
 own words, so the round never holds the model and the ring at once.
 
@@ -69,7 +69,6 @@ feedback does not see that clip or the fixed-point rounding (zero-mean, below on
 from __future__ import annotations
 
 import hashlib
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -233,7 +232,6 @@ class SecAggRound:
                  spill_dir: Path | None = None):
         self.fed, self.cfg, self.bundle = fed, fed.secagg, bundle
         self.spill_dir = spill_dir  # where the model waits while the ring exists (model_spill.py; None: in memory)
-        self._spill_lock = threading.Lock()
         self.config_json = fed.secagg.model_dump_json()
         self.sigs = Signatures(bundle, replay)
         self.pending = PendingSetups()
@@ -380,6 +378,11 @@ class SecAggRound:
             rd[SECAGG] = request_record(MASKED_INPUT, st.ctx, self.config_json, requests[node], weight=st.weights[node],
                                         vector_len=st.vector_len,
                                         relayed=secagg_wire.encode_advert_signatures(st.ctx, me, sigs))
+            if node == st.live[-1] and self.spill_dir is not None and not st.model_spilled:
+                # every train message is built: the model waits on disk until the step, through the
+                # uploads and while the ring exists (model_spill.py)
+                st.model_spilled = True
+                spill_model(st.inp.model, self.spill_dir)
             return rd
 
         return Exchange("secagg stage 3 (train)", "train", st.live, content, deadline)
@@ -387,10 +390,6 @@ class SecAggRound:
     def receive_masked_input(self, st: SecAggState, reply: Reply) -> None:
         """Check one site's masked chunks whole, then add them to the sum and drop the reply."""
         node = reply.node
-        with self._spill_lock:  # the ring is about to exist: the model waits on disk until the step
-            if self.spill_dir is not None and not st.model_spilled:
-                st.model_spilled = True
-                spill_model(st.inp.model, self.spill_dir)
         try:
             rec = check_reply(reply.message, MASKED_INPUT, st.ctx)
             # checked whole, then added chunk by chunk: one chunk's words at a time, and the pages of
