@@ -408,10 +408,10 @@ class Coordinator:
         coordinator/downlink_sender.py) and the round config, serialized once per stage and content
         and shared by the messages. `evaluate`: sites evaluate it before training on it."""
         down = self.model if self.downlink.codec is not None else self.wire_copy.of(self.model)
-        offer = None
-        if self.bulk is not None:  # sites on the data path: the model written to its offer file tensor by tensor
-            bulk = self.bulk
-            offer = lambda node: bulk.offer_arrays if bulk.direct(self.known_name(node)) else None  # noqa: E731
+        bulk = self.bulk
+
+        def offer(node: int):  # a site on the data path: the model written to its offer file tensor by tensor
+            return bulk.offer_arrays if bulk is not None and bulk.direct(self.known_name(node)) else None
         records = self.downlink.stage(down, self.site_name, offer)
         config, last = self.round_config(rnd, deadline_s, evaluate), self.aggregated_rounds(rnd)
 
