@@ -1,19 +1,30 @@
-"""The coordinator's peak memory for one plain sealed round at size, on its real code paths, without
-the rest of a federation (issue 19: coordinator_peak_ratio <= 1.5).
+"""The coordinator's peak memory for one round at size, on its real code paths, without the rest of
+a federation (issue 19: coordinator_peak_ratio <= 1.5).
 
-Two sites' updates of P float32 parameters are sealed with really provisioned keys and written as
-the data path stores an upload (the .npy bytes of the envelope body, WORKDIR/bulk-like files).
-Then, in a fresh process per measurement, the coordinator's code takes them as a reply resolved
-from the data path does (a read-only map of the file: bulk_server.take, bulk.resolve), and runs
-PlainRound.receive_update for each, PlainRound.finish and ServerOptimizer.step (FedAvg, delta,
-consume) on a P-parameter global model: what the ServerApp's driver calls. The process's peak RSS
-(VmHWM) above what it held before the model was made, over P x 4 bytes, is the ratio.
+Sealed round: two sites' updates of P float32 parameters are sealed with really provisioned keys
+and written as the data path stores an upload (the .npy bytes of the envelope body,
+WORKDIR/bulk-like files). Then, in a fresh process per measurement, the coordinator builds the
+round's train message to two sites on the data path (Coordinator.model_message and _message: the
+model written into the offer file tensor by tensor), and its code takes the updates as a reply
+resolved from the data path does (a read-only map of the file: bulk_server.take, bulk.resolve),
+and runs PlainRound.receive_update for each, PlainRound.finish and ServerOptimizer.step (FedAvg,
+delta, consume, in place) on a P-parameter global model: what the ServerApp's driver calls. The
+process's peak RSS (VmHWM) above what it held before the model was made, over P x 4 bytes, is the
+ratio.
 
-`--path inmemory` measures the previous path for comparison (open_envelope into memory, the
-float64 WeightedMean, the dense step), from the same files.
+`--path inmemory` measures the previous path for comparison (the model serialized whole, then
+offloaded and spilled; open_envelope into memory, the float64 WeightedMean, the dense step), from
+the same files.
 
-    python benchmarks/coordinator_memory.py --params 101000000
-Last line: RESULT params=<P> coordinator_peak_ratio=<..> inmemory_ratio=<..>
+`--secagg` also measures a SecAgg+ round's coordinator side (`measure_secagg`: the crypto
+server's ring with two real clients masking into it, the sum decoded into the ring, FedAvg's
+step), with the model on disk while the ring exists (model_spill.py) and, for comparison, in
+memory beside it.
+
+    python benchmarks/coordinator_memory.py --params 101000000 --secagg
+Last line: RESULT params=<P> coordinator_peak_ratio=<..> inmemory_ratio=<..> secagg_peak_ratio=<..> secagg_inmemory_ratio=<..>
+
+Measured 2026-11-26 (2 cores, load 6-10), P = 101M: see README.md ("Whole runs").
 """
 
 from __future__ import annotations
@@ -89,6 +100,8 @@ def measure(work: Path, params: int, path: str) -> dict:
     from federation.protocol.payload_records import from_records
     from federation.protocol.pipeline import RoundContext
 
+    import federation.coordinator.driver  # noqa: F401 (the ServerApp's imports, before the baseline)
+
     return_freed_tensors()  # as the ServerApp does
     spec = spec_of(params)
     coord = CoordinatorBundle.load(work / "pki" / "coordinator")
@@ -113,6 +126,10 @@ def measure(work: Path, params: int, path: str) -> dict:
             return Reply(site, node, Message(rd, dst_node_id=node, message_type="train"))
 
     t0 = time.monotonic()
+    model_message(work, model, streamed=path == "streamed")
+    print(f"model message {time.monotonic() - t0:.1f} s, peak so far {(vm('VmHWM') - base) / (params * 4):.2f} x",
+          file=sys.stderr)
+    t0 = time.monotonic()
     opt = ServerOptimizer("fedavg", "delta", 1.0)
     if path == "streamed":
         rnd = PlainRound(fed_cfg, coord, ReplayGuard(), spill_dir=work / "spill")
@@ -125,7 +142,7 @@ def measure(work: Path, params: int, path: str) -> dict:
         out = rnd.finish(st)
         assert out.count == 2 and not out.rejections, out.failed
         t1 = time.monotonic()
-        model = opt.step(model, out.mean, consume=True)
+        model = opt.step(model, out.mean, consume=True, in_place=True)  # as the driver does
         print(f"receive {t1 - t0:.1f} s, fold and step {time.monotonic() - t1:.1f} s", file=sys.stderr)
     else:  # the previous path: whole plaintext in memory, float64 sum, dense step
         prot = CoordinatorProtection(coord, True, ReplayGuard())
@@ -143,11 +160,118 @@ def measure(work: Path, params: int, path: str) -> dict:
             "ratio": (peak - base) / (params * 4), "checksum": float(sum(float(v.reshape(-1)[:1000].sum()) for v in model.values()))}
 
 
+def model_message(work: Path, model: dict, streamed: bool) -> None:
+    """The round's train message to two sites on the data path, as the driver builds and offloads
+    it (Coordinator.model_message, then _message). `streamed`: the model written into the offer
+    file tensor by tensor (bulk_path.offer_arrays); else the previous path: serialized whole
+    (what a site reached through Flower gets), then offloaded and spilled."""
+    import socket
+
+    from crypto.pki import CoordinatorBundle
+    from flwr.app import ConfigRecord
+
+    from federation.config.schema import ExperimentConfig
+    from federation.coordinator.bulk_server import BulkServer
+    from federation.coordinator.driver import Coordinator
+    from federation.coordinator.strategy import Site
+    from federation.ops.inprocess import task_identity
+
+    bundle = CoordinatorBundle.load(work / "pki" / "coordinator")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = BulkServer(bundle, work / "coord", f"127.0.0.1:{port}")
+    cfg = ExperimentConfig.model_validate({"federation": {"name": "m", "rounds": 1, "quorum": 1, "evaluate": False},
+                                           "sites": [{"id": "site0", "partition": 0}, {"id": "site1", "partition": 1}]})
+    coord = Coordinator(None, cfg, work / "coord", 1, model, lambda line: None, bundle, bulk=server)
+    for node, site in ((1, "site0"), (2, "site1")):
+        coord.sites[node] = Site(node, site, 10)
+        coord.bulk.heard(site, ConfigRecord({"data_path": "direct" if streamed else "flower: the previous path"}))
+    with task_identity(1):
+        message = coord.model_message(1, 30.0)
+        built = [message(node) for node in (1, 2)]
+        if not streamed:  # the sites are direct: the whole records are offloaded as the previous driver did
+            for site in ("site0", "site1"):
+                coord.bulk.paths[site] = "direct"
+        sent = [coord._message(node, rd, "train", 30.0, [])[0] for node, rd in zip((1, 2), built)]
+    del built, sent, message
+    coord.downlink.forget_stage()
+    coord.bulk.stage_over()
+    server.stop()
+
+
+def measure_secagg(work: Path, params: int, spill: bool) -> dict:
+    """A SecAgg+ round's coordinator side at size, on its real code paths: the crypto server's ring
+    (SecAggServer, two real clients masking their updates chunk by chunk into it), the unmasked
+    sum decoded into the ring's own words (secagg_round.in_ring_mean) and FedAvg's step. `spill`:
+    the model goes to disk before the first masked chunk is added, as SecAggRound does once the train
+    messages are built, and the
+    step writes the new model into the ring (model_spill.py); else the model stays in memory
+    beside the ring (the previous path). The sites' updates are read from files whose pages are
+    dropped as the clients read them, so the process's peak is the coordinator's."""
+    import mmap
+
+    from crypto.secagg import SecAggClient, SecAggConfig, SecAggServer, new_context
+    from crypto.secagg.simulation import make_plan
+
+    from federation.coordinator.aggregate import ServerOptimizer
+    from federation.coordinator.model_spill import spill_model
+    from federation.coordinator.secagg_round import in_ring_mean
+    from federation.protocol.codecs import UpdateSpec
+    from federation.protocol.malloc_policy import return_freed_tensors
+
+    return_freed_tensors()
+    spec = spec_of(params)
+    base = vm("VmRSS")
+    model = {k: np.full(s, 0.5, np.float32) for k, (_, s) in spec.items()}
+    t0 = time.monotonic()
+    cfg = SecAggConfig(threshold=2, clip=0.5)
+    plan, channel = make_plan(cfg, new_context("coordinator-memory", 1), [1, 2])
+    server = SecAggServer(cfg, plan, vector_len=params)
+    clients = {}
+    for i in (1, 2):
+        clients[i], setup = SecAggClient.setup(cfg, plan, i, channel[i])
+        server.receive_setup(i, setup)
+    live = server.close_setup(weight_bound=100)
+    if spill:  # SecAggRound, once the train messages are built (before any reply)
+        spill_model(model, work / "spill")
+    for i in live:
+        x = np.memmap(work / f"secagg{i}.f32", np.float32, "r")
+        for offset, words in clients[i].masked_input(server.masked_input_request(i), x, 10 + i,
+                                                    rng=np.random.default_rng(i)):
+            server.add_masked_chunk(i, offset, words)
+            x._mmap.madvise(mmap.MADV_DONTNEED)  # the site's pages: not the coordinator's memory
+        del x
+    for i in server.close_masked_input():
+        server.receive_unmask(i, clients[i].unmask(server.unmask_request(i)))
+    result = server.finish()
+    mean = in_ring_mean(result, UpdateSpec.of(model))
+    del result
+    model = ServerOptimizer("fedavg", "delta", 1.0).step(model, mean, consume=True, in_place=True)
+    seconds = time.monotonic() - t0
+    peak = vm("VmHWM")
+    return {"path": "secagg" if spill else "secagg-inmemory", "params": params, "base_rss": base, "peak_rss": peak,
+            "seconds": round(seconds, 1), "ratio": (peak - base) / (params * 4),
+            "checksum": float(sum(float(v.reshape(-1)[:1000].sum()) + float(v.reshape(-1)[-1000:].sum())
+                                  for v in model.values()))}
+
+
+def make_secagg_inputs(work: Path, params: int) -> None:
+    """The two SecAgg+ sites' float32 updates, as files (written a slice at a time)."""
+    for i in (1, 2):
+        rng = np.random.default_rng(100 + i)
+        with open(work / f"secagg{i}.f32", "wb") as f:
+            for lo in range(0, params, 1 << 22):
+                f.write((rng.standard_normal(min(1 << 22, params - lo), dtype=np.float32) * 1e-2).tobytes())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--params", type=int, default=101_000_000)
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--skip-inmemory", action="store_true", help="measure only the streamed path")
+    ap.add_argument("--secagg", action="store_true", help="also measure a SecAgg+ round's coordinator side")
+    ap.add_argument("--skip-plain", action="store_true", help="skip the sealed round (with --secagg)")
     ap.add_argument("--_make", nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("--_measure", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -155,7 +279,10 @@ def main() -> None:
         make_update(a.workdir, a._make[0], a.params, int(a._make[1]))
         return
     if a._measure:
-        print(json.dumps(measure(a.workdir, a.params, a._measure)))
+        if a._measure.startswith("secagg"):
+            print(json.dumps(measure_secagg(a.workdir, a.params, a._measure == "secagg")))
+        else:
+            print(json.dumps(measure(a.workdir, a.params, a._measure)))
         return
     from crypto.pki import CoordinatorBundle, provision
 
@@ -164,20 +291,29 @@ def main() -> None:
         provision(work / "pki", ["site0", "site1"])
         (work / "ctx.json").write_text(json.dumps({"federation": CoordinatorBundle.load(work / "pki" / "coordinator").federation_id}))
         me = [sys.executable, __file__, "--params", str(a.params), "--workdir", str(work)]
-        for i, site in enumerate(("site0", "site1")):
-            subprocess.run(me + ["--_make", site, str(i)], check=True)
+        paths: tuple[str, ...] = ()
+        if not a.skip_plain:
+            for i, site in enumerate(("site0", "site1")):
+                subprocess.run(me + ["--_make", site, str(i)], check=True)
+            paths += ("streamed",) + (() if a.skip_inmemory else ("inmemory",))
+        if a.secagg:
+            make_secagg_inputs(work, a.params)
+            paths += ("secagg",) + (() if a.skip_inmemory else ("secagg-inmemory",))
         results = {}
-        for path in ("streamed",) + (() if a.skip_inmemory else ("inmemory",)):
+        for path in paths:
             line = subprocess.run(me + ["--_measure", path], check=True, stdout=subprocess.PIPE, text=True).stdout
             results[path] = json.loads(line.strip().splitlines()[-1])
             r = results[path]
             print(f"{path}: peak RSS {r['peak_rss'] / 1e9:.2f} GB, before the model {r['base_rss'] / 1e9:.2f} GB, "
                   f"(peak - before) / (P x 4 B) = {r['ratio']:.2f}, {r['seconds']} s", flush=True)
-        if "inmemory" in results:
-            assert results["inmemory"]["checksum"] == results["streamed"]["checksum"], "the two paths disagree"
-    inm = results.get("inmemory", {}).get("ratio")
-    print(f"RESULT params={a.params} coordinator_peak_ratio={results['streamed']['ratio']:.2f} "
-          f"inmemory_ratio={'n/a' if inm is None else f'{inm:.2f}'}")
+        for ours, old in (("streamed", "inmemory"), ("secagg", "secagg-inmemory")):
+            if ours in results and old in results:
+                assert results[ours]["checksum"] == results[old]["checksum"], f"{ours} and {old} disagree"
+
+    def ratio(path: str) -> str:
+        return f"{results[path]['ratio']:.2f}" if path in results else "n/a"
+    print(f"RESULT params={a.params} coordinator_peak_ratio={ratio('streamed')} inmemory_ratio={ratio('inmemory')} "
+          f"secagg_peak_ratio={ratio('secagg')} secagg_inmemory_ratio={ratio('secagg-inmemory')}")
 
 
 if __name__ == "__main__":

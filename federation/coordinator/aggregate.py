@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from federation.coordinator.model_spill import step_into_mean
 from federation.coordinator.spilled_mean import SpilledMean, disjoint, writable_f32
 from federation.protocol.codecs import Arrays
 
@@ -87,7 +88,9 @@ class ServerOptimizer:
         `consume`: FedAvg takes the mean's tensors out of `mean_update` as it goes (it is not needed
         after). `in_place`: FedAvg writes the new model into the old model's float32 arrays (the
         driver's: nothing else keeps the old model), and returns a new dict over them, so a step
-        never holds two models. A `SpilledMean` (the plain round's, on disk) is folded slice by
+        never holds two models; a read-only model (on disk while a SecAgg+ round held its ring,
+        model_spill.py) takes its step into the consumed mean's arrays instead (the ring's words).
+        A `SpilledMean` (the plain round's, on disk) is folded slice by
         slice straight into the model for FedAvg; the other optimizers take its dense mean.
         Either way the arithmetic is the same, element for element."""
         if isinstance(mean_update, SpilledMean):
@@ -106,6 +109,10 @@ class ServerOptimizer:
                     else:
                         np.add(m, self.lr * (u if self.update_kind == "delta" else u - m), out=m)
                     out[k] = m
+                elif in_place and consume and writable_f32(u) and u.shape == m.shape and m.dtype == np.float32:
+                    # the model is read-only (on disk while a SecAgg+ round held its ring): the new
+                    # model goes into the consumed mean's array, the old one read slice by slice
+                    out[k] = step_into_mean(m, u, self.update_kind, self.lr)
                 elif self.update_kind == "weights" and self.lr == 1.0:
                     out[k] = u.astype(np.float32, copy=not consume)
                 else:

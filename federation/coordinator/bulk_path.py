@@ -13,13 +13,33 @@ on with the others.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
+import logging
+from collections.abc import Callable, Mapping
 
-from flwr.app import ConfigRecord, Message, RecordDict
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 
 from federation.coordinator.bulk_server import BulkServer
 from federation.protocol import message_keys as keys
-from federation.protocol.bulk import INLINE_MAX, Blob, BulkRefused, big_records, has_big, offload, refs, resolve
+from federation.protocol.bulk import (
+    CHUNK,
+    INLINE_MAX,
+    REF_STYPE,
+    Blob,
+    BlobWriter,
+    BulkRefused,
+    Ref,
+    big_records,
+    has_big,
+    offload,
+    refs,
+    resolve,
+)
+from federation.protocol.payload_records import npy_parts
+
+log = logging.getLogger("sovfl.bulk")
+_written = itertools.count()
 
 
 def ref_bytes(rd: RecordDict) -> int:
@@ -48,6 +68,54 @@ class BulkPath:
             how = (f"direct, on the data path {self.server.address}" if path == "direct"
                    else f"through Flower ({path.removeprefix('flower: ')})")
             self.progress(f"site {site}: model and updates travel {how}")
+
+    def direct(self, site: str | None) -> bool:
+        """Whether `site` gets its model on the data path."""
+        return site is not None and self.paths.get(site) == "direct"
+
+    def offer_arrays(self, arrays: Mapping[str, np.ndarray]) -> tuple[ArrayRecord, int] | None:
+        """The ArrayRecord that carries `arrays` to a direct site, and the bytes it stands for: the
+        record `outgoing` makes of `to_array`'s record (the same references, to the same blob),
+        but the large arrays' .npy bytes are written into the offer file tensor by tensor, so
+        the serialized model is never in memory whole (issue 19: it was 1 x the model on top of
+        the model while the round's messages were built). None if the file cannot be written
+        (the caller serializes the arrays whole, as for a site reached through Flower)."""
+        writer = BlobWriter(str(self.server.dir / f"offer-new-{next(_written)}"), CHUNK)
+        entries: list[tuple[str, Array | tuple[str, tuple, int, int]]] = []
+        offset = wire = 0
+        try:
+            for name in arrays:
+                a, header, data = npy_parts(arrays[name])  # a WireView rounds one bf16 tensor here
+                n = len(header) + len(data)
+                wire += n
+                if n >= self.inline_max:
+                    writer.write(header)
+                    writer.write(data)
+                    entries.append((name, (str(a.dtype), tuple(a.shape), offset, n)))
+                    offset += n
+                else:
+                    entries.append((name, Array(dtype=str(a.dtype), shape=tuple(a.shape), stype="numpy.ndarray",
+                                                data=b"".join((header, data)))))
+                del a, header, data
+            blob = writer.finish()
+        except OSError as err:  # a full or read-only disk
+            writer.abort()
+            log.warning("bulk data path: cannot write the model's offer file under %s (%s); serializing it whole",
+                        self.server.dir, err)
+            return None
+        if not offset:  # nothing large: it stays in the message, as `outgoing` leaves it
+            blob.close()
+            return ArrayRecord(dict(entries)), wire
+        root = self.server.offer(blob)
+        out = {}
+        for name, e in entries:
+            if isinstance(e, Array):
+                out[name] = e
+            else:
+                dtype, shape, at, n = e
+                ref = Ref(root, blob.size, blob.chunk, at, n, "numpy.ndarray")
+                out[name] = Array(dtype=dtype, shape=shape, stype=REF_STYPE, data=ref.encode())
+        return ArrayRecord(out), wire
 
     def outgoing(self, site: str | None, rd: RecordDict) -> RecordDict:
         """`rd` as it goes to `site`: its large Arrays as references if the site is direct."""

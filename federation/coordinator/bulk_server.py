@@ -115,14 +115,17 @@ class BulkServer:
 
     def offer(self, blob: Blob) -> str:
         """Serve `blob` to the sites until `withdraw`; its root. The blob is spilled to a file under
-        WORKDIR/bulk first and served from there, so the coordinator does not hold a serialized
-        copy of the model while the stage waits for the sites' updates."""
+        WORKDIR/bulk first (unless it was written there) and served from there, so the coordinator
+        does not hold a serialized copy of the model while the stage waits for the sites' updates."""
         root = blob.root
         with self._lock:
             if root in self.offered:
+                if self.offered[root] is not blob:
+                    blob.close()  # the same bytes again (a file BlobWriter wrote: deleted)
                 return root
         try:
-            blob.spill(str(self.dir / f"offer-{root[:16]}"))
+            if blob.path is None:  # not yet on disk (bulk_path.offer_arrays writes its blob's file itself)
+                blob.spill(str(self.dir / f"offer-{root[:16]}"))
         except OSError as err:  # a full or read-only disk: serve it from memory, as it is
             log.warning("bulk data path: cannot spill blob %s to %s (%s); serving it from memory", root[:12],
                         self.dir, err)

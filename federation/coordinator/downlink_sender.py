@@ -9,6 +9,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 
 import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord
 
 from federation.protocol import message_keys as keys
 from federation.protocol.codecs import Arrays, CodecRound, UpdateSpec, parse_codec
@@ -24,6 +25,10 @@ from federation.protocol.downlink_steps import (
 )
 from federation.protocol.payload_records import array_bytes, to_records
 from federation.protocol.pipeline import Payload
+
+
+# node -> the writer of a payload's arrays onto the data path (None: the node gets them through Flower)
+Offer = Callable[[int], Callable[[Arrays], tuple[ArrayRecord, int] | None] | None]
 
 
 def step_seed(federation_seed: int, version: int) -> int:
@@ -91,26 +96,36 @@ class DownlinkSender:
         return ("steps", start), steps_payload(self.steps[start:], self.digest)
 
     # ---- messages ------------------------------------------------------------------------------
-    def stage(self, model: Arrays, name_of: Callable[[int], str]) -> Callable[[int], dict]:
+    def stage(self, model: Arrays, name_of: Callable[[int], str], offer: Offer | None = None) -> Callable[[int], dict]:
         """The model records of one stage's messages, node by node. Each distinct content is
-        serialized once per stage and shared by every message that carries it."""
+        serialized once per stage and shared by every message that carries it. `offer(node)`: for
+        a node on the data path, what writes a payload's arrays to it tensor by tensor and gives
+        the record of references (bulk_path.offer_arrays), so its content is never serialized
+        whole; None (or no `offer`): the node gets the serialized arrays (through Flower)."""
         self.update(model)
-        cache: dict[tuple, dict] = {}
+        cache: dict[tuple, tuple[dict, int]] = {}
         self._cache = cache
-        dense = sum(4 * int(v.size) for v in model.values())
+        dense = sum(4 * int(v.size) for v in getattr(model, "master", model).values())  # (a WireView's master)
 
         def records(node: int) -> dict:
             key, payload = self.payload(node)
-            if key not in cache:
-                rd = to_records(payload, keys.GLOBAL, keys.DOWNLINK)
-                cache[key] = {keys.GLOBAL: rd.array_records[keys.GLOBAL]}
+            write = offer(node) if offer is not None else None
+            ckey = (*key, write is not None)
+            if ckey not in cache:
+                made = write(payload.arrays) if write is not None else None
+                if made is None:
+                    rd = to_records(payload, keys.GLOBAL, keys.DOWNLINK)
+                    made = rd.array_records[keys.GLOBAL], array_bytes(rd.array_records[keys.GLOBAL])
+                recs = {keys.GLOBAL: made[0]}
                 if self.codec is not None:
-                    cache[key][keys.DOWNLINK] = rd.config_records[keys.DOWNLINK]
+                    recs[keys.DOWNLINK] = ConfigRecord(dict(payload.meta))
+                cache[ckey] = recs, made[1]
+            recs, wire = cache[ckey]
             name = name_of(node)
-            self._bytes[name] += array_bytes(cache[key][keys.GLOBAL])
+            self._bytes[name] += wire
             self._dense[name] += dense
             self._modes[key[0]] += 1
-            return cache[key]
+            return recs
 
         return records
 

@@ -49,6 +49,7 @@ from federation.coordinator.downlink_sender import DownlinkSender
 from federation.coordinator.evaluation import EvalRider, Evaluation
 from federation.coordinator.link_book import LinkBook
 from federation.coordinator.manifest_check import BaseCheck
+from federation.coordinator.model_spill import restore_model
 from federation.coordinator.plain_round import PlainRound
 from federation.coordinator.polling import PollSchedule
 from federation.coordinator.reply_folds import Folds
@@ -137,7 +138,7 @@ class Coordinator:
         if self.fed.secagg.enabled:
             from federation.coordinator.secagg_round import SecAggRound
 
-            self.protocol = self.secagg = SecAggRound(self.fed, bundle, self.replay)
+            self.protocol = self.secagg = SecAggRound(self.fed, bundle, self.replay, spill_dir=self.workdir / "spill")
         self.admission: Admission | None = None
         if self.fed.attestation.enabled:
             if bundle is None:
@@ -437,7 +438,11 @@ class Coordinator:
         coordinator/downlink_sender.py) and the round config, serialized once per stage and content
         and shared by the messages. `evaluate`: sites evaluate it before training on it."""
         down = self.model if self.downlink.codec is not None else self.wire_copy.of(self.model)
-        records = self.downlink.stage(down, self.site_name)
+        bulk = self.bulk
+
+        def offer(node: int):  # a site on the data path: the model written to its offer file tensor by tensor
+            return bulk.offer_arrays if bulk is not None and bulk.direct(self.known_name(node)) else None
+        records = self.downlink.stage(down, self.site_name, offer)
         config, last = self.round_config(rnd, deadline_s, evaluate), self.aggregated_rounds(rnd)
 
         def message(node: int) -> RecordDict:  # each site's config names only its own last aggregated round
@@ -759,6 +764,7 @@ class Coordinator:
             line["status"] = "aggregated"
             self.aggregated[rnd] = sorted(out.per_site)
         else:
+            restore_model(self.model)  # a SecAgg+ round put it on disk for the step that is not taken
             line["status"] = "skipped"
             self.progress(f"round {rnd}: skipped, {out.count} usable update(s) < quorum {self.fed.quorum}; "
                           "the global model is unchanged")

@@ -50,7 +50,9 @@ Memory: masked chunks are added to the SecAggServer's single uint32 accumulator 
 each stage-3 reply is pulled (`receive_masked_input`), and the reply is dropped right away; the
 driver pulls a streamed stage's replies one message id at a time, so at most
 `federation.receive_workers` sites' masked vectors are held besides the accumulator: O(P), not
-O(N·P).
+O(N·P). Once the train messages are built, the global model goes to disk (model_spill.py) and
+FedAvg's step writes the new model into the ring's own words, so the round never holds the model
+and the ring at once.
 
 Concurrency: stage 3's replies are checked and added on up to `receive_workers` threads at once
 (driver.py, reply_folds.py), so the three 63 MB replies of a WAN round no longer wait for one
@@ -80,6 +82,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 from flwr.app import Message, RecordDict
@@ -106,6 +109,7 @@ from crypto.secagg import wire as secagg_wire
 from crypto.secagg.signing import verify
 from federation.config.schema import FederationConfig
 from federation.coordinator.envelope_opener import PageDropper
+from federation.coordinator.model_spill import spill_model
 from federation.coordinator.reply_folds import StripeLocks
 from federation.coordinator.strategy import Exchange, ExchangeResult, Reply, RoundInput, RoundOutcome, Step, site_metrics
 from federation.protocol.codecs import Arrays, UpdateSpec, parse_codec
@@ -222,6 +226,7 @@ class SecAggState:
     weights: dict[int, int] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)  # stage 3's folds run on several threads
     stripes: StripeLocks | None = None  # the accumulator's stripes, made with the crypto server
+    model_spilled: bool = False  # the global model is on disk (model_spill.py) until the step
 
     @property
     def ctx(self) -> secagg.RoundContext:
@@ -235,8 +240,10 @@ class SecAggRound:
 
     aborts = (SecAggAbort,)
 
-    def __init__(self, fed: FederationConfig, bundle: CoordinatorBundle | None, replay: ReplayGuard):
+    def __init__(self, fed: FederationConfig, bundle: CoordinatorBundle | None, replay: ReplayGuard,
+                 spill_dir: Path | None = None):
         self.fed, self.cfg, self.bundle = fed, fed.secagg, bundle
+        self.spill_dir = spill_dir  # where the model waits while the ring exists (model_spill.py; None: in memory)
         self.config_json = fed.secagg.model_dump_json()
         self.sigs = Signatures(bundle, replay)
         self.pending = PendingSetups()
@@ -385,6 +392,11 @@ class SecAggRound:
             rd[SECAGG] = request_record(MASKED_INPUT, st.ctx, self.config_json, requests[node], weight=st.weights[node],
                                         vector_len=st.vector_len,
                                         relayed=secagg_wire.encode_advert_signatures(st.ctx, me, sigs))
+            if node == st.live[-1] and self.spill_dir is not None and not st.model_spilled:
+                # every train message is built: the model waits on disk until the step, through the
+                # uploads and while the ring exists (model_spill.py)
+                st.model_spilled = True
+                spill_model(st.inp.model, self.spill_dir)
             return rd
 
         return Exchange("secagg stage 3 (train)", "train", st.live, content, deadline)

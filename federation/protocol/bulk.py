@@ -167,6 +167,14 @@ class Blob:
             raise
         self._fd, self.path, self.buffers = fd, path, []
 
+    @classmethod
+    def written(cls, fd: int, path: str, size: int, chunk: int, digests: list[bytes]) -> "Blob":
+        """The blob `BlobWriter` wrote to `path` (open as `fd`), served from there."""
+        blob = cls([], chunk)
+        blob.size, blob.count = size, chunk_count(size, chunk)
+        blob._fd, blob.path, blob._digests = fd, path, digests
+        return blob
+
     def close(self) -> None:
         """Delete the spilled file (chunks can no longer be read)."""
         if self._fd is not None:
@@ -178,6 +186,82 @@ class Blob:
             except OSError:
                 pass
             self.path = None
+
+
+def _hash_and_write(fd: int, offset: int, parts: list) -> bytes:
+    """One chunk, given as the pieces of buffers it spans: written at `offset`, its SHA-256."""
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part)
+        view = part
+        while len(view):
+            done = os.pwrite(fd, view, offset)
+            view, offset = view[done:], offset + done
+    return h.digest()
+
+
+class BlobWriter:
+    """Writes a blob to a file from buffers given one after another (the model, tensor by tensor),
+    taking the chunk digests as it goes: a window of `_DIGEST_WINDOW` chunks is hashed and written
+    at once on the hash pool, so what is held is that window's views into the caller's buffers,
+    never the blob. `finish()` gives the `Blob`, served from the file; the same blob, chunk for
+    chunk and digest for digest, as `Blob(buffers).spill(path)` makes (issue 19: the coordinator
+    never serializes the whole model to offer it)."""
+
+    def __init__(self, path: str, chunk: int = CHUNK):
+        self.path, self.chunk = path, chunk
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        self.size = 0
+        self.digests: list[bytes] = []
+        self._parts: list = []  # the chunk being filled: views of the buffers it spans
+        self._fill = 0
+        self._window: list[tuple[int, list]] = []  # full chunks not written yet: (offset, parts)
+
+    def write(self, buf) -> None:
+        """Append `buf` (any buffer): its full chunks are on disk when this returns, the tail that
+        starts the next chunk is copied (at most one chunk)."""
+        view = memoryview(buf).cast("B")
+        while len(view):
+            take = min(len(view), self.chunk - self._fill)
+            self._parts.append(view[:take])
+            self._fill += take
+            self.size += take
+            view = view[take:]
+            if self._fill == self.chunk:
+                self._window.append((self.size - self.chunk, self._parts))
+                self._parts, self._fill = [], 0
+                if len(self._window) >= _DIGEST_WINDOW:
+                    self._flush()
+        self._flush()
+        if self._parts:  # the caller may reuse or free `buf` once this returns: keep a copy of the short tail
+            self._parts = [b"".join(self._parts)]
+
+    def _flush(self) -> None:
+        if not self._window:
+            return
+        window, self._window = self._window, []
+        if len(window) == 1:
+            self.digests.append(_hash_and_write(self.fd, *window[0]))
+        else:
+            self.digests += list(hash_pool().map(lambda w: _hash_and_write(self.fd, *w), window))
+
+    def finish(self) -> Blob:
+        """The blob written (the last, short chunk included), served from the file."""
+        if self._parts or not self.digests:  # a short last chunk; an empty blob has one empty chunk
+            self._window.append((self.size - self._fill, self._parts))
+            self._parts, self._fill = [], 0
+        self._flush()
+        return Blob.written(self.fd, self.path, self.size, self.chunk, self.digests)
+
+    def abort(self) -> None:
+        """Close and delete the file (a write failed)."""
+        try:
+            os.close(self.fd)
+        finally:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
 
 
 def check_manifest(root: str, size: int, chunk: int, digests: list[bytes]) -> None:

@@ -16,13 +16,19 @@ from federation.protocol.pipeline import Payload, UpdateRejected
 _ALLOWED_KINDS = set("fiub")  # numeric and bool dtypes only; never objects
 
 
-def to_array(a: np.ndarray) -> Array:
-    """`a` as a Flower Array, the .npy bytes `Array(ndarray)` makes, in one copy (not three)."""
+def npy_parts(a: np.ndarray) -> tuple[np.ndarray, bytes, memoryview | bytes]:
+    """(`a` C-contiguous, its .npy header, its data): the two pieces of the bytes `to_array` joins,
+    for a writer that streams them instead (the data path's offer file, coordinator/bulk_path.py)."""
     a = np.require(a, requirements="C")  # not ascontiguousarray: that makes a 0-d array 1-d
     header = BytesIO()
     np.lib.format.write_array_header_1_0(header, np.lib.format.header_data_from_array_1_0(a))
-    return Array(dtype=str(a.dtype), shape=tuple(a.shape), stype="numpy.ndarray",
-                 data=b"".join((header.getvalue(), memoryview(a).cast("B") if a.size else b"")))
+    return a, header.getvalue(), memoryview(a).cast("B") if a.size else b""
+
+
+def to_array(a: np.ndarray) -> Array:
+    """`a` as a Flower Array, the .npy bytes `Array(ndarray)` makes, in one copy (not three)."""
+    a, header, data = npy_parts(a)
+    return Array(dtype=str(a.dtype), shape=tuple(a.shape), stype="numpy.ndarray", data=b"".join((header, data)))
 
 
 class MalformedRecord(UpdateRejected):

@@ -12,6 +12,8 @@ for half the bytes. (With a downlink codec the codec's reference is float32, as 
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+
 import numpy as np
 
 from federation.protocol.codecs import Arrays
@@ -42,19 +44,35 @@ def to_master(arrays: Arrays, spec: Spec) -> Arrays:
     return out
 
 
+class WireView(Mapping):
+    """The master model as it travels, each bf16 tensor rounded to words when it is read (and not
+    kept): a writer that takes the tensors one at a time (the data path's offer file) never holds
+    the wire copy whole; one that takes them all (a Flower message) holds what it serializes."""
+
+    def __init__(self, master: Arrays, raw: frozenset[str]):
+        self.master, self.raw = master, raw
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        value = self.master[name]
+        return bf16_bits(value) if name in self.raw else value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.master)
+
+    def __len__(self) -> int:
+        return len(self.master)
+
+
 class WireCopy:
-    """The master model as it travels down (bf16 tensors as words), made once per model object."""
+    """The master model as it travels down (bf16 tensors as words)."""
 
     def __init__(self, spec: Spec):
-        self.raw = [k for k, (d, _) in spec.items() if np.dtype(d) == RAW_BF16]
-        self._master: Arrays | None = None
-        self._wire: Arrays | None = None
+        self.raw = frozenset(k for k, (d, _) in spec.items() if np.dtype(d) == RAW_BF16)
 
     def of(self, master: Arrays) -> Arrays:
-        """`master` with its bf16 tensors rounded to words (`master` itself when there are none)."""
+        """`master` with its bf16 tensors rounded to words as they are read (`master` itself when
+        there are none). Nothing is cached: a copy kept beside the model was half the model's
+        size for a bf16 model, for the whole round (issue 19's coordinator memory)."""
         if not self.raw:
             return master
-        if master is not self._master:
-            self._master = master
-            self._wire = {k: bf16_bits(v) if k in self.raw else v for k, v in master.items()}
-        return self._wire
+        return WireView(master, self.raw)  # type: ignore[return-value]
