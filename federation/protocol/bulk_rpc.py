@@ -38,6 +38,11 @@ SERVER_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    # a fixed receive window per stream instead of one that BDP probing grows: uploads of N sites x
+    # 4 streams held 250-390 MB of windows and messages at the coordinator (issue 19's memory);
+    # 8 MiB per stream still keeps 4 streams x 8 MiB / RTT above a 1 Gbit/s link at 50 ms
+    ("grpc.http2.bdp_probe", 0),
+    ("grpc.http2.lookahead_bytes", 8 << 20),
 ]
 PUT_HEADER = "sovfl-put"  # Put's metadata key: JSON {run, round, root}
 
