@@ -120,18 +120,25 @@ def _connect(port: int) -> socket.socket:
     return sock
 
 
-def measure(port: int, nominal_mbit: float, seconds: float = 2.0, pings: int = 30) -> Measured:
-    """Rate up and down and the RTT through a link's local `port` to a TargetServer (its target)."""
-    n = int(nominal_mbit * 1e6 / 8 * seconds)
-    with _connect(port) as sock:  # RTT first, on an idle link
+def ping_ms(port: int, pings: int = 30, stat=statistics.median) -> float:
+    """The RTT, in ms, of `pings` 64-byte exchanges through a link's local `port` to a TargetServer,
+    on one connection (the first few, which warm the path up, not counted): their median, or `stat`."""
+    with _connect(port) as sock:
         sock.sendall(struct.pack("!cQ", b"E", pings + 3))
         rtts = []
         for i in range(pings + 3):
             t = time.perf_counter()
             sock.sendall(bytes(64))
             _recv_exact(sock, 64)
-            if i >= 3:  # the first exchanges warm the connection's path up
+            if i >= 3:
                 rtts.append(time.perf_counter() - t)
+    return stat(rtts) * 1000
+
+
+def measure(port: int, nominal_mbit: float, seconds: float = 2.0, pings: int = 30) -> Measured:
+    """Rate up and down and the RTT through a link's local `port` to a TargetServer (its target)."""
+    n = int(nominal_mbit * 1e6 / 8 * seconds)
+    rtt_ms = ping_ms(port, pings)  # RTT first, on an idle link
     with _connect(port) as sock:
         sock.sendall(struct.pack("!cQ", b"S", n))
         _source(sock, n)
@@ -142,7 +149,7 @@ def measure(port: int, nominal_mbit: float, seconds: float = 2.0, pings: int = 3
         secs, counted = _sink(sock, n)
         sock.sendall(b"k")
         down = counted * 8 / secs / 1e6
-    return Measured(up_mbit=up, down_mbit=down, rtt_ms=statistics.median(rtts) * 1000)
+    return Measured(up_mbit=up, down_mbit=down, rtt_ms=rtt_ms)
 
 
 def check(link, seconds: float = 2.0) -> Measured:
