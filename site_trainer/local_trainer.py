@@ -34,6 +34,7 @@ from site_trainer.workload import Batch, TaskContext
 log = logging.getLogger("sovfl.trainer")
 
 EVAL_CHUNK = 256  # validation examples per forward pass
+SLOW_STEP_S = 5.0  # the start-up step timing takes one pass, not two, when a pass is slower than this
 
 
 def fetch(dataset: Any, indices: torch.Tensor, collate: Callable | None) -> Batch:
@@ -108,11 +109,14 @@ class LocalTrainer:
         self.sched_step = 0  # optimizer steps into the learning-rate schedule
         self.total_steps = cfg.rounds * s.local_steps if cfg.rounds else None
         self.dp = self._privacy() if s.privacy.enabled else None
+        # DP-SGD's per-record clipping costs more than a plain step: no estimate rather than a low one
+        step_s = self._time_step() if self.dp is None else None
         self.session = Session(self.model, cfg, exchanged=exchanged, optimizer=self.optimizer, state=self,
                                frozen=frozen, num_examples=len(self.data.train), num_val_examples=n_val,
                                site_metrics=site_metrics,
                                device=self.device, describe={"compute": "bf16" if self.dtype else "fp32",
-                                                             "loop": "task"})
+                                                             "loop": "task",
+                                                             **({"step_s_estimate": step_s} if step_s else {})})
         self._background_total: torch.Tensor | None = None  # [loss x samples, samples] of background steps
         self._background_last = 0  # the schedule position background steps stop advancing at
         self._answered_steps = self.cfg.site.local_steps  # local_steps of the last train round answered
@@ -125,6 +129,45 @@ class LocalTrainer:
                      self.world, s.nnodes, "bf16" if self.dtype else "fp32", s.grad_accum,
                      ", activation checkpointing" if s.activation_checkpointing else "", len(lay.exchanged),
                      sum(x.numel for x in lay.exchanged), len(lay.frozen))
+
+    def _time_step(self) -> float:
+        """Collective: about how long one optimizer step takes here, measured before any round: the
+        round planner's figure for round 1 (federation.round_target_s; later rounds use the steps
+        the sites really ran). Two forward and backward passes over one batch of the site's data,
+        the second timed (the slowest rank's), x grad_accum; in eval mode (no dropout draws, no batch-norm statistics),
+        the gradients dropped and the random streams put back, so nothing a round sees changes. The
+        optimizer's step is left out (it would change the weights): under ZeRO-2 it also gathers
+        the parameters, and the estimate comes out low (benchmarks/step_estimate.py)."""
+        s = self.cfg.site
+        pick = self.train_idx[torch.arange(s.batch_size) % len(self.train_idx)]
+        batch = to_device(fetch(self.data.train, pick, self.data.collate), self.device)
+        cpu_rng = torch.random.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None
+        was_training = self.model.training
+        self.model.eval()
+        took = 0.0
+        try:
+            for _ in range(2):  # the first pays for lazy initialisation and allocator warm-up
+                t0 = time.perf_counter()
+                with strategies.autocast(self.parallelism, self.device, self.dtype):
+                    loss = self.task.loss(self.model, batch)
+                loss.float().backward()
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                took = time.perf_counter() - t0
+                self.optimizer.zero_grad(set_to_none=True)
+                if self.world > 1:  # the slowest rank sets the pace, and every rank takes the same branch
+                    slowest = torch.tensor([took], dtype=torch.float64, device=self.device)
+                    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+                    took = float(slowest.item())
+                if took > SLOW_STEP_S:  # warm-up is small beside a pass this long: one is enough
+                    break
+        finally:
+            self.model.train(was_training)
+            torch.random.set_rng_state(cpu_rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state_all(cuda_rng)
+        return round(took * s.grad_accum, 6)
 
     def _privacy(self):
         """Collective: the site's DP-SGD (site_trainer/privacy), refused with the field to fix."""

@@ -154,6 +154,20 @@ def main(out_path: str, workdir: str) -> None:
             ask("Train", 1, w1, overlap=overlap, update_kind="delta")
             r = ask("Train", 2, shifted(w1, 2), overlap=overlap, update_kind="weights")
             keep(p + f"plain-{case}/r2_weights", r.get("arrays", {}))
+            keep(p + f"plain-{case}/info", {"step_s_estimate": t.session.info().get("step_s_estimate")})
+        # the step timed at start-up (round_target_s's figure for round 1) changes nothing a round sees:
+        # a trainer built without it answers the same rounds bit for bit
+        timed_step = LocalTrainer._time_step
+        LocalTrainer._time_step = lambda self: None
+        try:
+            t = trainer(strategy, f"{workdir}/{strategy}-untimed")
+        finally:
+            LocalTrainer._time_step = timed_step
+        ask = Requests(t)
+        ask("Train", 1, w1, overlap=False, update_kind="delta")
+        r = ask("Train", 2, shifted(w1, 2), overlap=False, update_kind="weights")
+        keep(p + "untimed/r2_weights", r.get("arrays", {}))
+        keep(p + "untimed/info", {"step_s_estimate": t.session.info().get("step_s_estimate")})
 
     # the served loop: background steps between requests through the endpoint (ddp)
     socket = f"{workdir}/served.sock"

@@ -293,3 +293,13 @@ def test_status_fields_of_valid_replies_read_as_before() -> None:
     assert site_name({"site": "paris"}) == "paris"
     with pytest.raises(ValueError, match="bad_status"):
         site_name({"site": 7})
+
+
+@pytest.mark.parametrize("value", [None, "0.5", True, 0, -1.0, float("nan"), float("inf"), 1e9, [0.5]])
+def test_a_discovery_step_estimate_that_is_not_a_positive_finite_number_is_none(value) -> None:
+    """A site's `step_s_estimate` (its trainer's seconds per step at start-up) plans round 1; one that
+    is missing or malformed leaves that round to the sites' own local_steps instead of raising."""
+    from federation.protocol.status_record import step_s_estimate
+
+    assert step_s_estimate({} if value is None else {"step_s_estimate": value}) is None
+    assert step_s_estimate({"step_s_estimate": 0.25}) == 0.25 and step_s_estimate({"step_s_estimate": 2}) == 2.0

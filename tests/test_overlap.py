@@ -108,6 +108,14 @@ def test_overlap_without_background_steps_changes_nothing(results, strategy):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
+def test_the_step_timed_at_start_up_changes_nothing_a_round_sees(results, strategy):
+    # LocalTrainer._time_step: the round planner's seconds per step for round 1, in the trainer's Info
+    assert results(f"{strategy}/plain-off/info")["step_s_estimate"] > 0
+    assert results(f"{strategy}/untimed/info")["step_s_estimate"] is None
+    _exact(results(f"{strategy}/untimed/r2_weights"), results(f"{strategy}/plain-off/r2_weights"))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_with_a_steps_factor_background_steps_go_past_local_steps_up_to_the_cap(results, strategy):
     from site_trainer.strategies import lr_at
 

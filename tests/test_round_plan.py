@@ -114,6 +114,28 @@ def test_before_step_times_are_known_the_sites_keep_their_own_steps():
     assert "no step time yet for b" in c.reason
 
 
+def test_the_planner_plans_round_1_from_the_trainers_start_up_estimates():
+    # no round measured yet: the seconds per step each trainer timed at its start (discovery) stand in;
+    # a site that gave none still leaves the round to the sites' own steps
+    cfg = ExperimentConfig.model_validate({"federation": {"round_target_s": 10.0, "overlap": True},
+                                           "sites": [{"id": "a", "partition": 0}, {"id": "b", "partition": 1}]})
+    planner = RoundPlanner(cfg, lambda line: None)
+    links = {"a": link(1000), "b": link(100)}
+    c = planner.choose(1, ["a", "b"], links, [], 10_000_000, 40 * MB, {"a": 0.1, "b": 0.05})
+    # int8 (10M values + scales: 10.06 MB each way): b 4.02 s, a 0.40 s; round 1 has nothing to overlap
+    # with, so each site's transfer comes off: a (10 - 0.40) / 0.1 = 95.97, b (10 - 4.02) / 0.05 = 119.5
+    assert c.codec == "int8" and c.local_steps == 95 and c.fixed_s == 0 and c.transfer_s == pytest.approx(4.025)
+    assert "site a has 9.60s left" in c.reason and "0.100s per step (its trainer's estimate at start-up)" in c.reason
+    assert "overlap" not in c.reason
+    partial = planner.choose(1, ["a", "b"], links, [], 10_000_000, 40 * MB, {"a": 0.1})
+    assert partial.local_steps is None and "no step time yet for b" in partial.reason
+    # a measured round wins over the estimate (0.2 s per step measured for a, against 0.1 estimated)
+    history = [{"round": 1, "sites": {"a": {"seconds": 4.0}, "b": {"seconds": 1.0}},
+                "round_plan": {"codec": "int8", "local_steps": 20}}]
+    m = planner.choose(2, ["a", "b"], links, history, 10_000_000, 40 * MB, {"a": 0.1, "b": 0.01})
+    assert m.local_steps == 50 and "estimate" not in m.reason  # overlap from round 2: 10 / 0.2
+
+
 def test_without_link_figures_the_configured_codec_stays():
     c = choose(1, 10.0, {}, {}, LADDER, UP, 40 * MB, fallback_codec="int8")
     assert c.codec == "int8" and c.local_steps is None and not c.fits and "no link figures" in c.reason

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import numpy as np
 import pytest
 
 from crypto.pki import CoordinatorBundle, provision
+from federation.ops.supervisor import free_port
 from federation.config.schema import ExperimentConfig
 from federation.coordinator.bulk_server import BulkServer
 from federation.coordinator.driver import Coordinator
@@ -47,7 +47,7 @@ def pki(tmp_path_factory):
     return root
 
 
-def _sites(tmp_path, pki, addresses: dict[str, str], told: dict[str, list]):
+def _sites(tmp_path, pki, addresses: dict[str, str], told: dict[str, list], estimates: bool = False):
     def trainer(i, name):
         def train(model, cfg):
             told[name].append((cfg.round, cfg.codec, cfg.local_steps))
@@ -55,7 +55,8 @@ def _sites(tmp_path, pki, addresses: dict[str, str], told: dict[str, list]):
             rng = np.random.default_rng([i, cfg.round])
             delta = {k: (0.01 * rng.standard_normal(v.shape)).astype(np.float32) for k, v in model.items()}
             return delta, {"loss": 1.0 / cfg.round, "train_s": steps * STEP_S[name]}
-        return FunctionTrainer(train, 10 * (i + 1), tmp_path / name)
+        # `estimates`: each declares its step time at discovery, as the site trainer times one at its start
+        return FunctionTrainer(train, 10 * (i + 1), tmp_path / name, step_s_estimate=STEP_S[name] if estimates else None)
 
     sites = []
     for i, name in enumerate(("s0", "s1", "s2")):
@@ -77,9 +78,7 @@ def test_each_round_s_codec_and_steps_are_chosen_from_the_measured_links_applied
         "sites": [{"id": f"s{i}", "partition": i} for i in range(3)],
     })
     bundle = CoordinatorBundle.load(pki / "coordinator")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = BulkServer(bundle, tmp_path / "coord", f"127.0.0.1:{port}").start()
     told: dict[str, list] = {"s0": [], "s1": [], "s2": []}
     lines: list[str] = []
@@ -87,7 +86,7 @@ def test_each_round_s_codec_and_steps_are_chosen_from_the_measured_links_applied
     try:
         with (ShapedLink(rate_mbit=20, rtt_ms=20) if shaped else contextlib.nullcontext()) as link:
             s1 = f"127.0.0.1:{link.forward(('127.0.0.1', server.port))}" if shaped else f"127.0.0.1:{port}"
-            grid = InProcessGrid(_sites(tmp_path, pki, {"s0": f"127.0.0.1:{port}", "s1": s1}, told), 1)
+            grid = InProcessGrid(_sites(tmp_path, pki, {"s0": f"127.0.0.1:{port}", "s1": s1}, told, estimates=True), 1)
             coord = Coordinator(grid, cfg, tmp_path / "coord", 1, _initial(), lines.append, bundle, bulk=server)
             with task_identity(1):
                 result = coord.run()
@@ -118,8 +117,14 @@ def test_each_round_s_codec_and_steps_are_chosen_from_the_measured_links_applied
         assert any(x.startswith(f"round {rnd}: round target 3s: codec {plan['codec']}") for x in lines), lines
         for site in ("s0", "s1", "s2"):
             assert (rnd, plan["codec"], plan["local_steps"]) in told[site], (site, told[site])
-    assert metrics[0]["round_plan"]["local_steps"] is None  # round 1: no step time measured yet
-    assert "no step time yet" in metrics[0]["round_plan"]["reason"]
+    # round 1: no step measured yet; the sites' estimates from discovery plan it (nothing to overlap yet)
+    plan = metrics[0]["round_plan"]
+    figs = {s: LinkFigures(**{k: v for k, v in f.items()}) for s, f in metrics[0]["links"].items()}
+    up = coord.planner.sizes([], 720050)[0]
+    again = choose(1, 3.0, figs, STEP_S, ladder, up, 720050 * 4, max_steps=400, fallback_codec=cfg.federation.codec,
+                   estimated=frozenset(STEP_S))
+    assert (again.codec, again.local_steps) == (plan["codec"], plan["local_steps"]) and plan["local_steps"] >= 1
+    assert "its trainer's estimate at start-up" in plan["reason"] and plan["fixed_s"] == 0
     for rnd in (2, 3):  # from then on the rule's own result on the figures the line records
         line, before = metrics[rnd - 1], metrics[rnd - 2]
         plan = line["round_plan"]

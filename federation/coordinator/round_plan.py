@@ -11,12 +11,13 @@ the bytes each candidate codec puts on the wire and the model's bytes down. The 
 2. The local steps: as many as the slowest site can compute in what the transfer and the round's
    fixed cost (`fixed_s`: Flower's delivery of the messages, ClientApp start-up, aggregation, as
    measured in the last round) leave of the target (the site with the least room decides), within
-   [min_steps, max_steps]. Before any site's step time is known (round 1) the
-   sites keep their own `local_steps`. With `overlap` (federation.overlap) a site's steps run
-   while its update travels and the coordinator works (site_trainer/overlap.py): a round then
-   takes about max(transfer + fixed, steps x step time), so the steps get the whole target and
-   neither the transfer nor the fixed cost comes off it (subtracting them would leave the ranks
-   idle for exactly the time overlap exists to fill).
+   [min_steps, max_steps]. In round 1 a site's step time is its trainer's estimate from its start
+   (a timed forward and backward pass); where a site gave none, the sites keep their own
+   `local_steps`. With `overlap` (federation.overlap) a site's steps run while its update travels
+   and the coordinator works (site_trainer/overlap.py): a round then takes about max(transfer +
+   fixed, steps x step time), so the steps get the whole target and neither the transfer nor the
+   fixed cost comes off it (subtracting them would leave the ranks idle for exactly the time
+   overlap exists to fill).
 
 Every choice carries its reason in words; the driver logs it and puts it in the metrics line.
 """
@@ -87,13 +88,14 @@ class RoundChoice:
 def choose(rnd: int, target_s: float, links: Mapping[str, LinkFigures], step_s: Mapping[str, float],
            ladder: Sequence[str], up_bytes: Mapping[str, float], down_bytes: float, *, link_share: float = 0.5,
            min_steps: int = 1, max_steps: int = 1000, fallback_codec: str | None = None,
-           fixed_s: float = 0.0, overlap: bool = False) -> RoundChoice:
+           fixed_s: float = 0.0, overlap: bool = False, estimated: frozenset[str] = frozenset()) -> RoundChoice:
     """The codec and local steps of round `rnd` for the sites in `links` (see the module docstring).
 
     `up_bytes[codec]` is what one site's update takes under each codec of `ladder`, `down_bytes`
     the model's bytes down; `step_s[site]` a site's seconds per local step (absent: unknown);
     `fixed_s` what a round costs besides (it comes off the steps' time, not the link's share;
-    under `overlap` neither it nor the transfer does: the steps run behind them).
+    under `overlap` neither it nor the transfer does: the steps run behind them); `estimated` the
+    sites whose step time is their trainer's estimate from its start, not a round's measure.
     Without link figures the round keeps `fallback_codec` (or the ladder's first) and the sites'
     own steps."""
     if not ladder:
@@ -129,14 +131,15 @@ def choose(rnd: int, target_s: float, links: Mapping[str, LinkFigures], step_s: 
     tight = min(room, key=room.get)
     steps = max(min_steps, min(max_steps, math.floor(room[tight]))) if room[tight] >= 1 else min_steps
     compute = max(steps * known[s] for s in links)
+    per_step = f"{known[tight]:.3f}s per step" + (" (its trainer's estimate at start-up)" if tight in estimated else "")
     bound = (" (at the upper bound max_local_steps)" if steps == max_steps and room[tight] > max_steps else
              " (at the lower bound min_local_steps)" if steps == min_steps and room[tight] < min_steps + 1 else "")
     if overlap:
         why += (f"; {steps} local steps{bound}: site {tight} fills the {left[tight]:.2f}s target at "
-                f"{known[tight]:.3f}s per step (overlap: the steps run behind its {per_codec[codec][tight]:.2f}s "
+                f"{per_step} (overlap: the steps run behind its {per_codec[codec][tight]:.2f}s "
                 f"transfer and the round's fixed {fixed_s:.2f}s)")
     else:
         fixed = f" and the round's fixed {fixed_s:.2f}s" if fixed_s else ""
         why += (f"; {steps} local steps{bound}: site {tight} has {left[tight]:.2f}s left of the target after its "
-                f"transfer{fixed} at {known[tight]:.3f}s per step")
+                f"transfer{fixed} at {per_step}")
     return RoundChoice(rnd, codec, steps, slowest, transfer, compute, fixed_s, fits, why, transfers)

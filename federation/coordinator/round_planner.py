@@ -1,7 +1,8 @@
 """The driver's use of round_plan.choose: the figures it needs, gathered from the run.
 
 Per round: the link figures of the round's sites (link_book.py), each site's seconds per local
-step from its latest line in the metrics history (its trainer's `train_s`, plus the background
+step from its latest line in the metrics history (before a site's first round, the estimate its
+trainer timed at its start and gave at discovery: site_trainer/local_trainer.py `_time_step`) (its trainer's `train_s`, plus the background
 seconds under federation.overlap, over the steps it
 reports having run, else those it was given, else its own `local_steps`; under overlap, over those
 and its background steps: max(given, folded in) plus discarded), the bytes of an update under each codec
@@ -86,14 +87,19 @@ class RoundPlanner:
         return max(0.0, total)
 
     def choose(self, rnd: int, sites: list[str], links: Mapping[str, LinkFigures], history: list[dict],
-               numel: int, dense_bytes: int) -> RoundChoice:
-        """Round `rnd`'s choice for `sites`; logged with its reason."""
+               numel: int, dense_bytes: int, estimates: Mapping[str, float] | None = None) -> RoundChoice:
+        """Round `rnd`'s choice for `sites`; logged with its reason. `estimates`: site -> seconds per
+        step its trainer timed at its start, for the sites no round has measured yet."""
         up, down = self.sizes(history, numel)
+        measured = self.step_times(history)
+        estimated = {s: v for s, v in (estimates or {}).items() if s not in measured}
         choice = choose(rnd, float(self.fed.round_target_s or 0), {s: links[s] for s in sites if s in links},
-                        self.step_times(history), self.ladder, up, down if down is not None else float(dense_bytes),
+                        {**estimated, **measured}, self.ladder, up, down if down is not None else float(dense_bytes),
                         link_share=self.fed.link.link_share, min_steps=self.fed.link.min_local_steps,
                         max_steps=self.fed.link.max_local_steps, fallback_codec=self.fed.codec,
-                        fixed_s=self.fixed_s(history), overlap=self.fed.overlap)
+                        fixed_s=self.fixed_s(history), estimated=frozenset(estimated),
+                        # round 1 has no earlier reply to train behind: its steps, transfer and fixed cost add up
+                        overlap=self.fed.overlap and bool(history))
         self.choices[rnd] = choice
         self.progress(f"round {rnd}: round target {self.fed.round_target_s:g}s: {choice.reason}")
         return choice

@@ -44,11 +44,13 @@ O = TypeVar("O", covariant=True)
 
 @dataclass
 class Site:
-    """A site the coordinator knows: its Flower node, its name and its sample count at discovery."""
+    """A site the coordinator knows: its Flower node, its name and its sample count at discovery,
+    and the seconds per local step its trainer timed at its start (None: not given)."""
 
     node_id: int
     name: str
     num_examples: int
+    step_s_estimate: float | None = None
 
 
 @dataclass(frozen=True)

@@ -132,17 +132,21 @@ def task_identity(run_id: int) -> Iterator[None]:
 class FunctionTrainer:
     """A `Trainer` from plain functions, for simulations: `train(model, config) -> (update, metrics)`
     on numpy arrays, with the site's example count and a workdir for its store. `handoff_update`:
-    return the update as the trainer service does, in a hand-off file (the ClientApp streams it)."""
+    return the update as the trainer service does, in a hand-off file (the ClientApp streams it).
+    `step_s_estimate`: the seconds per local step it declares at discovery, as the site trainer
+    times one at its start (round_target_s plans round 1 with it)."""
 
     def __init__(self, train: Callable[[Arrays, RoundConfig], tuple[Arrays, dict]], num_examples: int,
                  workdir: str | Path, evaluate: Callable[[Arrays, RoundConfig], dict] | None = None,
-                 handoff_update: bool = False):
+                 handoff_update: bool = False, step_s_estimate: float | None = None):
         self._train, self._evaluate, self.handoff_update = train, evaluate, handoff_update
         self.num_examples, self._workdir = int(num_examples), Path(workdir)
+        self.step_s_estimate = step_s_estimate
 
     def info(self) -> dict:
-        """Discovery: the example count, one rank."""
-        return {"num_examples": self.num_examples, "ranks": 1, "workdir": str(self._workdir)}
+        """Discovery: the example count, one rank (and the declared step time, if any)."""
+        out = {"num_examples": self.num_examples, "ranks": 1, "workdir": str(self._workdir)}
+        return out | ({"step_s_estimate": self.step_s_estimate} if self.step_s_estimate else {})
 
     def workdir(self) -> Path:
         """Where this site's store lives."""

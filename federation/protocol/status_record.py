@@ -33,6 +33,16 @@ def num_examples(status: Mapping) -> int:
     return value
 
 
+def step_s_estimate(status: Mapping) -> float | None:
+    """The site trainer's seconds per local step, timed at its start (a discovery reply's
+    `step_s_estimate`), or None where it gave none or a value that is not a positive finite number
+    (the round planner then waits for the steps of round 1)."""
+    value = status.get("step_s_estimate")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e6:
+        return None
+    return float(value)
+
+
 def site_name(status: Mapping) -> str:
     """The site's name as it reports it (checked against the configuration by the caller)."""
     value = status.get("site")

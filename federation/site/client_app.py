@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 
 _IMPORTS_START = time.perf_counter()  # our imports are paid by every message's fresh process (APP_IMPORT_S)
 
@@ -69,14 +70,18 @@ def query(msg: Message, context: Context) -> Message:
         return fail(msg, env.site, str(err))
     # the base-model manifest rides on this reply (checked by the coordinator before the first round)
     manifest = {keys.MANIFEST: json.dumps(info["manifest"], separators=(",", ":"))} if info.get("manifest") else {}
+    # the trainer's seconds per local step, timed at its start: round 1's figure for round_target_s
+    step = {"step_s_estimate": float(info["step_s_estimate"])} if info.get("step_s_estimate") else {}
     return Message(RecordDict({keys.STATUS: status(env.site, True, num_examples=info["num_examples"],
-                                                   ranks=info["ranks"], **manifest)}), reply_to=msg)
+                                                   ranks=info["ranks"], **manifest, **step)}), reply_to=msg)
 
 
-def _trainer_call(msg: Message, context: Context, *methods: str) -> tuple[SiteEnv, list[TrainResult | EvalResult] | Message]:
+def _trainer_call(msg: Message, context: Context, *methods: str,
+                  after: Callable[[str, TrainResult | EvalResult], None] | None = None,
+                  ) -> tuple[SiteEnv, list[TrainResult | EvalResult] | Message]:
     """Call the trainer's `methods`, in order, on the round's model: the one the downlink mod
-    prepared, or the message's dense model (then a temporary copy, released here). A failure is
-    the reply to send."""
+    prepared, or the message's dense model (then a temporary copy, released here); `after(name,
+    result)` after each. A failure is the reply to send."""
     env = site_env(context)
     model, owned = env.global_model, False
     if model is None:
@@ -87,6 +92,8 @@ def _trainer_call(msg: Message, context: Context, *methods: str) -> tuple[SiteEn
             t0 = time.perf_counter()
             out.append(getattr(env.trainer, m)(model, env.config))
             out[-1].metrics[f"{m}_call_s"] = time.perf_counter() - t0
+            if after is not None:
+                after(m, out[-1])
         return env, out
     except TrainerFailed as err:
         return env, fail(msg, env.site, str(err))
@@ -111,7 +118,14 @@ def train(msg: Message, context: Context) -> Message:
     if (why := absent(env.node_config, env.config.round)) is not None:  # test only (fault_hooks.py)
         return fail(msg, env.site, why)
     evaluate_first = env.config.evaluate
-    env, res = _trainer_call(msg, context, *(("evaluate", "train") if evaluate_first else ("train",)))
+
+    def tell_early(name: str, result: TrainResult | EvalResult) -> None:
+        # on the data path the coordinator hears the evaluation now, not after the local steps
+        if name == "evaluate" and env.report_evaluation is not None:
+            env.report_evaluation(dict(result.metrics))
+
+    env, res = _trainer_call(msg, context, *(("evaluate", "train") if evaluate_first else ("train",)),
+                             after=tell_early)
     if isinstance(res, Message):
         return res
     trained = res[-1]
