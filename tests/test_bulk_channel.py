@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-import socket
 
 import grpc
 import numpy as np
@@ -19,12 +18,7 @@ from federation.protocol import bulk_rpc as rpc
 from federation.protocol.bulk import CHUNK, Blob, BulkRefused, Ref, offload, refs, resolve
 from federation.protocol.payload_records import parse_array, to_array
 from federation.site.bulk_client import BulkClient, BulkUnavailable
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from federation.ops.supervisor import free_port
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +34,7 @@ def pki(tmp_path_factory):
 @pytest.fixture
 def server(pki, tmp_path):
     root, _ = pki
-    srv = BulkServer(CoordinatorBundle.load(root / "coordinator"), tmp_path, f"127.0.0.1:{_port()}").start()
+    srv = BulkServer(CoordinatorBundle.load(root / "coordinator"), tmp_path, f"127.0.0.1:{free_port()}").start()
     srv.window(7, 1)
     yield srv
     srv.stop()
@@ -145,6 +139,34 @@ def test_revoked_site_is_refused(pki, server):
         c.upload(blob, 7, 1, deadline_s=10)
     assert err.value.code == "revoked"
     assert server.take_refusals()["bulk_revoked"] >= 1
+
+
+def test_an_evaluation_report_reaches_the_driver_only_from_a_site_of_the_open_round(pki, server):
+    # Report: a site's evaluation figures ahead of its reply (coordinator/evaluation.py EvalAnnouncer)
+    heard = []
+    server.on_report = lambda site, rnd, figures: heard.append((site, rnd, figures))
+    paris = client(pki[0], "paris", server)
+    paris.report(7, 1, {"eval_loss": 2.5, "num_val_examples": 40, "eval_accuracy": 0.25})
+    assert heard == [("paris", 1, {"eval_loss": 2.5, "num_val_examples": 40.0, "eval_accuracy": 0.25})]
+    refused = {"stale_round": (7, 2, {"eval_loss": 1.0, "num_val_examples": 4}),
+               "stale_run": (8, 1, {"eval_loss": 1.0, "num_val_examples": 4}),
+               "bad_report": (7, 1, {"eval_loss": float("nan"), "num_val_examples": 4})}
+    for code, (run, rnd, figures) in refused.items():
+        with pytest.raises(grpc.RpcError) as err:
+            paris.report(run, rnd, figures)
+        assert code in err.value.details()
+    for missing in ({"eval_loss": 1.0}, {"num_val_examples": -1, "eval_loss": 1.0}, [1.0]):
+        with pytest.raises(grpc.RpcError) as err:
+            paris.report(7, 1, missing)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "bad_report" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        client(pki[0], "oslo", server).report(7, 1, {"eval_loss": 1.0, "num_val_examples": 4})
+    assert "revoked" in err.value.details()
+    assert len(heard) == 1  # nothing refused reached the driver, and every refusal is counted
+    counted = server.take_refusals()
+    assert counted["bulk_bad_report"] == 4 and counted["bulk_stale_round"] == counted["bulk_stale_run"] == 1
+    assert counted["bulk_revoked"] == 1
+    paris.close()
 
 
 def test_tampered_chunk_is_refused_and_never_counts(pki, server):

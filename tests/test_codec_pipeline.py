@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -89,6 +90,14 @@ def test_federation_with_topk_uplink_and_int8_downlink(tmp_path, marker):
     # the model trains: the sites' evaluation of the model they rebuilt improves round over round
     # (each round evaluates the model it received: the one the previous round made)
     assert [x["eval_model_round"] for x in lines] == [0, 1]
+    # each round's evaluation is said as soon as the sites have it: on the data path, before their local
+    # steps (the signed replies that carry it come after them), so well before the round ends
+    said = (run / "progress.log").read_text()
+    for r, line in enumerate(lines, start=1):
+        early = re.search(rf"round {r}: the model of round {r - 1} evaluated by 2 site\(s\), reported on the data "
+                          rf"path before their local steps: eval_loss=([0-9.]+)", said)
+        assert early and float(early.group(1)) == pytest.approx(line["eval_loss"], abs=1e-4), said
+        assert early.start() < said.index(f"round {r}/2 aggregated")
     assert lines[1]["final_eval_loss"] < lines[1]["eval_loss"] - 0.05
     assert lines[1]["eval_loss"] < lines[0]["eval_loss"]
     assert lines[1]["final_eval_accuracy"] > 0.2  # twice chance after two short rounds
@@ -96,6 +105,7 @@ def test_federation_with_topk_uplink_and_int8_downlink(tmp_path, marker):
     for line in lines:
         t = line["timing"]
         assert t["site_work_s"] > 0 and t["round_s"] == pytest.approx(line["round_s"], abs=1e-3)
+        assert 0 < t["eval_known_s"] < line["round_s"]  # said once the train replies were in, before the unmask
         exchanges = [s for s in t["stages"] if s["stage"] != "finish"]
         assert exchanges and all(s["push_s"] >= 0 and s["replies"] == 2 for s in exchanges)
         assert "checkpoint_s" in t and "optimizer_s" in t

@@ -17,11 +17,13 @@ rejections) and is said to the site in the gRPC status.
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import os
 import shutil
 import threading
 from collections import Counter
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,6 +79,8 @@ class BulkServer:
         self.bytes_in = self.bytes_out = 0
         self._landed = 0  # chunks written, all uploads: every TRIM_EVERY of them, glibc gives freed pages back
         self._lock = threading.Lock()
+        # site, round, figures: a site's evaluation of the round's model before its reply (driver.py)
+        self.on_report: Callable[[str, int, dict[str, float]], None] | None = None
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bulk"),
                                    options=rpc.SERVER_OPTIONS)
         methods = {
@@ -84,6 +88,7 @@ class BulkServer:
             "Begin": grpc.unary_unary_rpc_method_handler(self._begin, rpc.identity, rpc.identity),
             "Put": grpc.stream_unary_rpc_method_handler(self._put, rpc.identity, rpc.identity),
             "Get": grpc.unary_stream_rpc_method_handler(self._get, rpc.identity, rpc.identity),
+            "Report": grpc.unary_unary_rpc_method_handler(self._report, rpc.identity, rpc.identity),
             **probe_handlers(self._site, self._abort),  # the link probe (link_probe_server.py)
         }
         self._server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(rpc.SERVICE, methods)])
@@ -220,6 +225,25 @@ class BulkServer:
         return rpc.encode({"site": site, "federation": self.trust.federation_id, "run": self.run_id,
                            "round": self.round})
 
+    def _report(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        """A site's evaluation figures for the open round, ahead of its reply (which still carries
+        them, signed, for the metrics line): handed to `on_report`. Refused, and counted, when the
+        caller is not a site of ours, the round is not the open one or the figures are not numbers."""
+        try:
+            site = self._site(context)
+            body = rpc.decode(request)
+            self._check_window(site, int(body["run"]), int(body["round"]))
+            figures = report_figures(body["metrics"])
+        except BulkRefused as err:
+            self._abort(context, err)
+        except (KeyError, TypeError, ValueError, OverflowError) as err:
+            self._abort(context, self._refuse("bad_report", f"an evaluation report that is not "
+                                              f"{{run, round, metrics: {{eval_loss, num_val_examples}}}}: {err}"),
+                        grpc.StatusCode.INVALID_ARGUMENT)
+        if self.on_report is not None:
+            self.on_report(site, int(body["round"]), figures)
+        return rpc.encode({})
+
     def _check_window(self, site: str, run: int, rnd: int) -> None:
         if run != self.run_id:
             raise self._refuse("stale_run", f"site {site}: upload for run {run}, this run is {self.run_id}")
@@ -315,6 +339,19 @@ class BulkServer:
                 self.bytes_out += len(piece)
             yield rpc.chunk_message(i, piece)
         trim_freed()
+
+
+def report_figures(metrics: object) -> dict[str, float]:
+    """The figures of an evaluation report: a finite `eval_loss`, `num_val_examples` >= 0 and, if
+    given, a finite `eval_accuracy` (ValueError, TypeError or KeyError otherwise)."""
+    if not isinstance(metrics, dict):
+        raise TypeError("metrics is not an object")
+    out = {"eval_loss": float(metrics["eval_loss"]), "num_val_examples": float(int(metrics["num_val_examples"]))}
+    if "eval_accuracy" in metrics:
+        out["eval_accuracy"] = float(metrics["eval_accuracy"])
+    if not all(math.isfinite(v) for v in out.values()) or out["num_val_examples"] < 0:
+        raise ValueError(f"figures must be finite, examples >= 0: {out}")
+    return out
 
 
 def _close(up: _Upload) -> None:

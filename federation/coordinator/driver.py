@@ -46,7 +46,7 @@ from federation.coordinator.aggregate import ServerOptimizer
 from federation.coordinator.checkpoint import CheckpointStore
 from federation.coordinator.checkpoint_writer import CheckpointWriter
 from federation.coordinator.downlink_sender import DownlinkSender
-from federation.coordinator.evaluation import EvalRider, Evaluation
+from federation.coordinator.evaluation import EvalAnnouncer, EvalRider, Evaluation
 from federation.coordinator.link_book import LinkBook
 from federation.coordinator.manifest_check import BaseCheck
 from federation.coordinator.model_spill import restore_model
@@ -74,7 +74,7 @@ from federation.protocol.bulk import BulkRefused
 from federation.protocol.payload_records import record_bytes
 from federation.protocol.pipeline import RoundContext
 from federation.protocol.round_config import RoundConfig
-from federation.protocol.status_record import StatusError, num_examples, site_name
+from federation.protocol.status_record import StatusError, num_examples, site_name, step_s_estimate
 from federation.protocol.update_codec import round_seed
 from federation.protocol.wire_dtypes import WireCopy, to_master
 
@@ -160,6 +160,10 @@ class Coordinator:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.workdir / "metrics.jsonl"
         self.riders: list[Rider] = []  # riding on every message sent now
+        # the round's evaluation of the model it received, said as soon as it is known (evaluation.py)
+        self._evals: tuple[EvalAnnouncer, EvalRider] | None = None
+        if bulk is not None:
+            bulk.on_report = self.early_evaluation
         # rider-only messages in flight: id -> (node, riders, the monotonic time its deadline passes)
         self._side: dict[str, tuple[int, list[Rider], float]] = {}
         self.messages: Counter[int] = Counter()  # messages sent per node over the run (round trips)
@@ -174,6 +178,12 @@ class Coordinator:
         self.links = LinkBook(self.fed.link, self.progress) if self.fed.probing else None
         self.planner = RoundPlanner(cfg, self.progress) if self.fed.round_target_s is not None else None
         self.start_round = 1
+
+    def early_evaluation(self, site: str, rnd: int, figures: dict[str, float]) -> None:
+        """A site's evaluation of round `rnd`'s model ahead of its reply (on a bulk server thread)."""
+        evals = self._evals
+        if evals is not None:
+            evals[0].report(site, rnd, figures)
 
     def progress(self, line: str) -> None:
         """A line for the operator (progress.log and stdout under the ServerApp)."""
@@ -392,6 +402,8 @@ class Coordinator:
                 if self.bulk is not None:  # the stage's uploads are folded in: their files go
                     self.bulk.server.release_all()
                 traffic.stages.append(stage_timing(ex.stage, result, time.monotonic() - t0))
+                if self._evals is not None:  # the train replies' figures, unless the sites said them earlier
+                    self._evals[0].replies(self._evals[1].totals)
             stage_hook.entered("aggregate", state)
             t0 = time.monotonic()
             out = strategy.finish(state)
@@ -604,7 +616,7 @@ class Coordinator:
         if old is not None:
             del self.sites[old]
             self.progress(f"site {site} is back as node {node} (its node {old} is offline)")
-        self.sites[node] = Site(node, site, examples)
+        self.sites[node] = Site(node, site, examples, step_s_estimate(status))
         if self.bulk is not None:
             self.bulk.heard(site, status)
         pk = status.get("secagg_channel_pk")
@@ -709,13 +721,16 @@ class Coordinator:
         if self.planner is not None:
             self.planner.choose(rnd, [self.site_name(n) for n in nodes], self.links.figures if self.links else {},
                                 self.history, sum(int(v.size) for v in self.model.values()),
-                                sum(v.nbytes for v in self.model.values()))
+                                sum(v.nbytes for v in self.model.values()),
+                                {s.name: s.step_s_estimate for s in self.sites.values() if s.step_s_estimate})
         evals = EvalRider() if self.fed.evaluate else None
         self.riders = self.riders_for(rnd, evals)
+        announcer = EvalAnnouncer(rnd, {self.site_name(n) for n in nodes}, self.progress, t0) if evals is not None else None
+        self._evals = (announcer, evals) if announcer is not None and evals is not None else None
         try:
             out, traffic = self.drive(self.protocol, self.protocol.begin(self.round_input(rnd, nodes)))
         finally:
-            self.riders = []
+            self.riders, self._evals = [], None
         timing["stages"] += traffic.stages
         out.bytes_down, out.bytes_up = traffic.down, traffic.up
         out.failed.update(absent)
@@ -734,6 +749,8 @@ class Coordinator:
             out.extra["attestation"] = admission.metrics()
         if evals is not None:
             out.extra.update(evals.totals.figures(), eval_model_round=rnd - 1)
+            if announcer is not None and announcer.known_s is not None:
+                timing["eval_known_s"] = announcer.known_s
         return self._apply(rnd, out, len(names), t0, timing)
 
     def _apply(self, rnd: int, out: RoundOutcome, sampled: int, t0: float, timing: dict) -> dict:

@@ -10,10 +10,19 @@ evaluate message (`final_eval_*` in the last line).
 Sites evaluate the model they hold (with a downlink codec: the reference they rebuilt, which is
 what they train on next); the figures are averaged weighted by each site's number of validation
 examples.
+
+The train reply comes after the round's local steps, a minute or more after the evaluation. A
+site on the data path also sends its figures as soon as it has them (the bulk channel's Report),
+and `EvalAnnouncer` says the round's evaluation once every site of the round has: the progress
+log and `timing.eval_known_s` then follow the model, not the training. Without those reports it
+says it once a stage has brought the train replies. The metrics line's figures stay those of the
+signed replies.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -73,6 +82,38 @@ class EvalRider:
         status = reply.content.config_records.get(keys.STATUS)
         if m is not None and "eval_loss" in m and status is not None and status.get("ok", False):
             self.totals.add(m)
+
+
+class EvalAnnouncer:
+    """Says round `rnd`'s evaluation of the model before it once it is known, one time: from the
+    early reports of every site in `sites` (on a bulk server thread), else from the train replies."""
+
+    def __init__(self, rnd: int, sites: set[str], progress: Callable[[str], None], t0: float):
+        self.rnd, self.pending, self.progress, self.t0 = rnd, set(sites), progress, t0
+        self.early = EvalTotals()
+        self.known_s: float | None = None  # seconds into the round when it was said
+        self._lock = threading.Lock()
+
+    def report(self, site: str, rnd: int, figures: dict[str, float]) -> None:
+        """A site's early figures (BulkServer.on_report); the last one expected says the evaluation."""
+        with self._lock:
+            if self.known_s is not None or rnd != self.rnd or site not in self.pending:
+                return
+            self.pending.discard(site)
+            self.early.add(figures)
+            if not self.pending:
+                self._say(self.early, "reported on the data path before their local steps")
+
+    def replies(self, totals: EvalTotals) -> None:
+        """After a stage: the train replies' figures, if the early reports did not say it already."""
+        with self._lock:
+            if self.known_s is None and totals.sites:
+                self._say(totals, "in their train replies")
+
+    def _say(self, totals: EvalTotals, how: str) -> None:
+        self.known_s = round(time.monotonic() - self.t0, 4)
+        self.progress(f"round {self.rnd}: the model of round {self.rnd - 1} evaluated by {totals.sites} site(s), "
+                      f"{how}: eval_loss={totals.figures()['eval_loss']:.4f}, {self.known_s:.1f}s into the round")
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import traceback
 from pathlib import Path
 
@@ -28,11 +29,13 @@ log = logging.getLogger("sovfl.server")
 def progress_writer(workdir: Path):
     """A progress callback that prints and appends to progress.log (which the launcher relays)."""
     path = workdir / "progress.log"
+    lock = threading.Lock()  # lines come from the driver and from the data path's threads (early evaluations)
 
     def write(line: str) -> None:
-        print(f"[sovfl] {line}", flush=True)
-        with path.open("a") as f:
-            f.write(line + "\n")
+        with lock:
+            print(f"[sovfl] {line}", flush=True)
+            with path.open("a") as f:
+                f.write(line + "\n")
     return write
 
 

@@ -8,6 +8,8 @@ its bytes, one gRPC message per chunk, so gRPC does the framing and flow control
   Begin   unary   {run, round, root, size, chunk, digests}-> {missing: [chunk indices]}   (an upload)
   Put     client-streaming chunk messages, metadata       -> {missing: [...]}             (root, run, round)
   Get     server-streaming {root, chunks: [...] | null}   -> header {size, chunk, digests}, then chunks
+  Report  unary   {run, round, metrics}                   -> {}   (the site's evaluation of the round's
+                  model, sent as soon as it is done: the reply that carries it comes after the local steps)
 """
 
 from __future__ import annotations

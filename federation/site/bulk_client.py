@@ -69,6 +69,12 @@ class BulkClient:
         """Who the coordinator's data path says we are (raises grpc.RpcError)."""
         return rpc.decode(self._stub(0, "unary_unary", "Ping")(b"{}", timeout=timeout_s, wait_for_ready=False))
 
+    def report(self, run: int, rnd: int, metrics: dict[str, float], timeout_s: float = 5.0) -> None:
+        """Send the site's evaluation of round `rnd`'s model ahead of its reply (one try: the reply
+        carries the figures anyway; raises grpc.RpcError)."""
+        self._stub(0, "unary_unary", "Report")(rpc.encode({"run": run, "round": rnd, "metrics": metrics}),
+                                               timeout=timeout_s, wait_for_ready=False)
+
     # ---- retries ----------------------------------------------------------------------------------
     def _retrying(self, what: str, deadline: float, attempt: Callable[[], bool]) -> None:
         """Run `attempt` (True: done) until it is done or `deadline`; transient gRPC errors back off."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 import time
-from functools import cached_property
+from functools import cached_property, partial
 
 from flwr.app import Context, Message
 
@@ -118,6 +118,8 @@ def bulk_mod(msg: Message, context: Context, call_next) -> Message:
         return fail(msg, env.site, f"bulk_unavailable: cannot keep the downloaded model in a file: {err}")
     down_s = time.perf_counter() - t0
     env.bulk_direct = bulk.told and bulk.client is not None
+    if env.bulk_direct:
+        env.report_evaluation = partial(_report, bulk, int(msg.metadata.run_id))
     try:
         reply = call_next(msg, context)
         if not reply.has_content():
@@ -163,6 +165,16 @@ def _download(bulk: SiteBulk, msg: Message) -> int:
         for rkey, akey, ref in entries:
             env.bulk_places.setdefault(rkey, {})[akey] = (paths[root], ref.offset)
     return down
+
+
+def _report(bulk: SiteBulk, run: int, metrics: dict[str, float]) -> None:
+    """The site's evaluation figures to the coordinator now, ahead of the reply that carries them
+    after the local steps; a failure costs only the early word (said on stderr)."""
+    figures = {k: float(metrics[k]) for k in ("eval_loss", "num_val_examples", "eval_accuracy") if k in metrics}
+    try:
+        bulk.client.report(run, bulk.env.config.round, figures)
+    except Exception as err:  # noqa: BLE001 - best effort: the reply still carries the figures
+        _say(f"evaluation not reported ahead of the reply ({type(err).__name__}: {_detail(err)})")
 
 
 def _release(env: SiteEnv) -> None:

@@ -55,6 +55,8 @@ class SiteEnv:
         self.global_model: GlobalModel | None = None  # set by the downlink mod for the trainer call
         # the data path's files of this message (update_stream.py), released by the bulk mod:
         self.bulk_direct = False  # the reply's large Arrays will go on the coordinator's data path
+        # the bulk mod's: send evaluation figures to the coordinator before the reply (None: no data path)
+        self.report_evaluation: Callable[[dict[str, float]], None] | None = None
         self.bulk_places: dict[str, dict[str, tuple[str, int]]] = {}  # record -> array -> (file, offset)
         self.downloads: list = []  # DownloadedBlob: the message's blobs, in /dev/shm files
         self.update_source = None  # handoff.Reader: the trainer's update, not yet read (train -> protection or secagg)
