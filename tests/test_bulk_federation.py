@@ -7,13 +7,13 @@ and the rounds complete."""
 from __future__ import annotations
 
 import json
-import socket
 
 import httpx
 import numpy as np
 import pytest
 
 from crypto.pki import CoordinatorBundle, provision
+from federation.ops.supervisor import free_port
 from federation.config.schema import ExperimentConfig
 from federation.coordinator.bulk_server import BulkServer
 from federation.coordinator.driver import Coordinator
@@ -106,9 +106,7 @@ def _run(tmp_path, pki, cfg, bulk: bool, fail_every: int = 0, without: set[str] 
     bundle = CoordinatorBundle.load(pki / "coordinator")
     server = None
     if bulk:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         server = BulkServer(bundle, tmp_path / "coord", f"127.0.0.1:{port}").start()
     grid = Tapped(_sites(tmp_path, pki, f"127.0.0.1:{port}" if bulk else None, without), 1, fail_every)
     lines: list[str] = []

@@ -12,7 +12,6 @@ this machine's speed: a loaded machine makes the link slower than nominal only i
 from __future__ import annotations
 
 import json
-import socket
 import sys
 from pathlib import Path
 
@@ -24,15 +23,10 @@ from federation.coordinator.bulk_server import BulkServer
 from federation.protocol import link_probe as lp
 from federation.site.bulk_client import BulkClient
 from federation.site.link_probe import probe
+from federation.ops.supervisor import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.shaped_link import ShapedLink, available  # noqa: E402
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +39,7 @@ def pki(tmp_path_factory):
 
 @pytest.fixture
 def server(pki, tmp_path):
-    srv = BulkServer(CoordinatorBundle.load(pki / "coordinator"), tmp_path, f"127.0.0.1:{_port()}").start()
+    srv = BulkServer(CoordinatorBundle.load(pki / "coordinator"), tmp_path, f"127.0.0.1:{free_port()}").start()
     yield srv
     srv.stop()
 

@@ -21,18 +21,13 @@ from federation.coordinator.bulk_server import BulkServer
 from federation.coordinator.driver import Coordinator
 from federation.coordinator.strategy import Site
 from federation.ops.inprocess import task_identity
+from federation.ops.supervisor import free_port
 from federation.protocol import message_keys as keys
 from federation.protocol.bulk import REF_STYPE, Blob, BlobWriter, offload, refs
 from federation.protocol.codecs.floats import bf16_bits
 from federation.protocol.payload_records import to_records
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +42,7 @@ def _coordinator(tmp_path: Path, pki: Path, initial: dict[str, np.ndarray], dire
         "federation": {"name": "offer", "rounds": 1, "quorum": 1, "evaluate": False, "seed": 5},
         "sites": [{"id": "s0", "partition": 0}, {"id": "s1", "partition": 1}]})
     bundle = CoordinatorBundle.load(pki / "coordinator")
-    server = BulkServer(bundle, tmp_path / "coord", f"127.0.0.1:{_port()}")
+    server = BulkServer(bundle, tmp_path / "coord", f"127.0.0.1:{free_port()}")
     coord = Coordinator(None, cfg, tmp_path / "coord", 1, initial, lambda line: None, bundle, bulk=server)
     for node, name in ((1, "s0"), (2, "s1")):
         coord.sites[node] = Site(node, name, 10)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from flwr.app import RecordDict
 from conftest import secagg_to_stage3
 from crypto.secagg import ChunkManifest, SecAggClient, SecAggConfig, ring
 from crypto.secagg.prg import PIECE_WORDS
+from federation.ops.supervisor import free_port
 from federation.protocol.bulk import REF_STYPE, resolve
 from federation.protocol.codecs import UpdateError, UpdateSpec
 from federation.protocol.message_keys import SECAGG_CHUNKS
@@ -229,9 +229,7 @@ def test_masked_upload_of_a_300mb_update_runs_in_chunk_window_memory(tmp_path):
     state = tmp_path / "state.json"  # secret, as context.state holds it in the ClientApp
     state.write_text(json.dumps({"config": cfg.model_dump_json(), "state": clients[1].to_state().hex(),
                                  "request": srv.masked_input_request(1).hex(), "bits": srv.params.codec.bits}))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = BulkServer(CoordinatorBundle.load(pki / "coordinator"), tmp_path / "coord", f"127.0.0.1:{port}").start()
     try:
         server.window(7, 1)

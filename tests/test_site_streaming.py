@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ from flwr.app import ArrayRecord
 from crypto.envelope import ReplayGuard, tree_digest
 from crypto.envelope_stream import tree_digest_stream
 from crypto.pki import CoordinatorBundle, SiteBundle, provision
+from federation.ops.supervisor import free_port
 from federation.coordinator.bulk_server import BulkServer
 from federation.coordinator.envelope_opener import CoordinatorProtection
 from federation.protocol.bulk import CHUNK, Blob, Ref, offload, resolve
@@ -230,9 +230,7 @@ def test_site_transfer_of_a_400mb_update_runs_in_chunk_window_memory(pki, tmp_pa
         for _ in range(size // piece):
             f.write(rng.integers(0, 256, piece, dtype=np.uint8).tobytes())
     offered = Blob.of_file(str(model))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = BulkServer(CoordinatorBundle.load(pki / "coordinator"), tmp_path / "coord", f"127.0.0.1:{port}").start()
     try:
         server.window(7, 1)
