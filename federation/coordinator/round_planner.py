@@ -1,14 +1,14 @@
 """The driver's use of round_plan.choose: the figures it needs, gathered from the run.
 
 Per round: the link figures of the round's sites (link_book.py), each site's seconds per local
-step from its latest line in the metrics history (before a site's first round, the estimate its
-trainer timed at its start and gave at discovery: site_trainer/local_trainer.py `_time_step`) (its trainer's `train_s`, plus the background
-seconds under federation.overlap, over the steps it
-reports having run, else those it was given, else its own `local_steps`; under overlap, over those
-and its background steps: max(given, folded in) plus discarded), the bytes of an update under each codec
-(what that codec really sent in an earlier round, else round_plan.wire_bytes) and the model's
-bytes down (what the last round's sites received on the data path, else the dense model), and
-what the last round cost besides (its wall time less the slowest site's trainer calls, the
+step from its latest line in the metrics history (its trainer's `train_s`, plus the background
+seconds under federation.overlap, over the steps it reports having run, else those it was given,
+else its own `local_steps`; under overlap, over those and its background steps: max(given, folded
+in) plus discarded) or, before a site's first round, the estimate its trainer timed at its start
+and gave at discovery (site_trainer/local_trainer.py `_time_step`), the bytes of an update under
+each codec (what that codec really sent in an earlier round, else round_plan.wire_bytes) and the
+model's bytes down (what the last round's sites received on the data path, else the dense model),
+and what the last round cost besides (its wall time less the slowest site's trainer calls, the
 predicted transfer and any link probe: Flower's delivery, ClientApp start-up, aggregation).
 
 A resumed run re-measures its links at discovery and gets the step times and sizes from the
