@@ -8,7 +8,7 @@ import pytest
 
 from federation.config.schema import ExperimentConfig
 from federation.coordinator.round_plan import choose, wire_bytes
-from federation.coordinator.round_planner import RoundPlanner
+from federation.coordinator.round_planner import RoundPlanner, message_overhead_s
 from federation.protocol.codecs import UpdateSpec
 from federation.protocol.link_probe import LinkFigures
 from federation.protocol.pipeline import Payload, Pipeline, RoundContext
@@ -127,6 +127,10 @@ def test_the_planner_plans_round_1_from_the_trainers_start_up_estimates():
     assert c.codec == "int8" and c.local_steps == 95 and c.fixed_s == 0 and c.transfer_s == pytest.approx(4.025)
     assert "site a has 9.60s left" in c.reason and "0.100s per step (its trainer's estimate at start-up)" in c.reason
     assert "overlap" not in c.reason
+    # the round's fixed cost before any round measured it (discovery's message overhead, per message):
+    # a (10 - 0.40 - 2) / 0.1 = 75.97, b (10 - 4.02 - 2) / 0.05 = 79.5
+    f = planner.choose(1, ["a", "b"], links, [], 10_000_000, 40 * MB, {"a": 0.1, "b": 0.05}, first_fixed_s=2.0)
+    assert f.local_steps == 75 and f.fixed_s == 2.0 and "the round's fixed 2.00s" in f.reason
     partial = planner.choose(1, ["a", "b"], links, [], 10_000_000, 40 * MB, {"a": 0.1})
     assert partial.local_steps is None and "no step time yet for b" in partial.reason
     # a measured round wins over the estimate (0.2 s per step measured for a, against 0.1 estimated)
@@ -191,6 +195,10 @@ def test_the_planner_reads_step_times_and_sizes_from_the_history():
     history[-1]["round_plan"]["transfer_s"] = 1.25
     assert planner.fixed_s(history) == pytest.approx(9.0 - 2.0 - 3.5 - 1.25)
     assert planner.fixed_s([]) == 0.0
+    # once a round is measured, discovery's estimate of the fixed cost no longer counts
+    c = planner.choose(3, ["a", "b"], {"a": link(1000), "b": link(1000)}, history, 10_000_000, 40_000_000,
+                       first_fixed_s=50.0)
+    assert c.fixed_s == pytest.approx(9.0 - 2.0 - 3.5 - 1.25)
     lines = []
     planner.progress = lines.append
     c = planner.choose(3, ["a", "b"], {"a": link(1000), "b": link(1000)}, history, 10_000_000, 40_000_000)
@@ -226,3 +234,11 @@ def test_the_config_knobs_and_their_refusals():
     for federation, site, why in refused:
         with pytest.raises(ValueError, match=why):
             _config(federation, **site)
+
+
+def test_a_message_s_overhead_is_its_time_outside_the_handler_at_the_slowest_site():
+    # discovery's per-site message costs (protocol/message_cost.py): total less handler, the slowest site's
+    costs = {"a": {"total_s": 6.0, "handler_s": 1.5, "return_s": 2.0}, "b": {"total_s": 9.0, "handler_s": 2.0},
+             "c": {"total_s": 30.0}}  # c's reply carried no handler stamps: nothing to tell apart
+    assert message_overhead_s(costs) == pytest.approx(7.0)
+    assert message_overhead_s({}) == 0.0 and message_overhead_s({"c": {"total_s": 3.0}}) == 0.0

@@ -117,14 +117,18 @@ def test_each_round_s_codec_and_steps_are_chosen_from_the_measured_links_applied
         assert any(x.startswith(f"round {rnd}: round target 3s: codec {plan['codec']}") for x in lines), lines
         for site in ("s0", "s1", "s2"):
             assert (rnd, plan["codec"], plan["local_steps"]) in told[site], (site, told[site])
-    # round 1: no step measured yet; the sites' estimates from discovery plan it (nothing to overlap yet)
+    # round 1: no step measured yet; the sites' estimates from discovery plan it (nothing to overlap yet),
+    # and its fixed cost is the discovery's slowest message overhead once per message the round sends
     plan = metrics[0]["round_plan"]
+    messages = 2 if "secagg" in protection else 1
+    assert coord.message_overhead_s > 0
+    assert plan["fixed_s"] == pytest.approx(messages * coord.message_overhead_s, abs=1e-4)
     figs = {s: LinkFigures(**{k: v for k, v in f.items()}) for s, f in metrics[0]["links"].items()}
     up = coord.planner.sizes([], 720050)[0]
     again = choose(1, 3.0, figs, STEP_S, ladder, up, 720050 * 4, max_steps=400, fallback_codec=cfg.federation.codec,
-                   estimated=frozenset(STEP_S))
+                   estimated=frozenset(STEP_S), fixed_s=messages * coord.message_overhead_s)
     assert (again.codec, again.local_steps) == (plan["codec"], plan["local_steps"]) and plan["local_steps"] >= 1
-    assert "its trainer's estimate at start-up" in plan["reason"] and plan["fixed_s"] == 0
+    assert "its trainer's estimate at start-up" in plan["reason"]
     for rnd in (2, 3):  # from then on the rule's own result on the figures the line records
         line, before = metrics[rnd - 1], metrics[rnd - 2]
         plan = line["round_plan"]

@@ -55,7 +55,7 @@ from federation.coordinator.polling import PollSchedule
 from federation.coordinator.reply_folds import Folds
 from federation.coordinator.resume import checkpoint_job, checkpoint_round, resume_run
 from federation.coordinator.retry_grid import RetryingGrid
-from federation.coordinator.round_planner import RoundPlanner
+from federation.coordinator.round_planner import RoundPlanner, message_overhead_s
 from federation.coordinator import stage_hook
 from federation.coordinator.strategy import (
     Exchange,
@@ -177,6 +177,7 @@ class Coordinator:
         # the link probe and the per-round choice of codec and local steps (link_book.py, round_planner.py)
         self.links = LinkBook(self.fed.link, self.progress) if self.fed.probing else None
         self.planner = RoundPlanner(cfg, self.progress) if self.fed.round_target_s is not None else None
+        self.message_overhead_s = 0.0  # a message's seconds outside its handler, measured at discovery
         self.start_round = 1
 
     def early_evaluation(self, site: str, rnd: int, figures: dict[str, float]) -> None:
@@ -559,7 +560,9 @@ class Coordinator:
         if self.secagg is not None and self.secagg.registered_channel_keys():
             self.secagg.plan(1, self.run_id, first, self.secagg.registered_channel_keys())
             riders.append(self.secagg.setup_rider(1, self.known_name, lambda: nodes))
-        self.enrol(self.discovery(nodes, riders, self.fed.deadlines.connect_s, "discovery"))
+        found = self.discovery(nodes, riders, self.fed.deadlines.connect_s, "discovery")
+        self.enrol(found)
+        self.message_overhead_s = message_overhead_s(found.msg_cost)  # round 1's fixed cost, per message
         self.probe_flower(sorted(self.sites), 0)
         if len(self.sites) < self.fed.quorum:
             raise FederationFailed(
@@ -722,7 +725,8 @@ class Coordinator:
             self.planner.choose(rnd, [self.site_name(n) for n in nodes], self.links.figures if self.links else {},
                                 self.history, sum(int(v.size) for v in self.model.values()),
                                 sum(v.nbytes for v in self.model.values()),
-                                {s.name: s.step_s_estimate for s in self.sites.values() if s.step_s_estimate})
+                                {s.name: s.step_s_estimate for s in self.sites.values() if s.step_s_estimate},
+                                first_fixed_s=getattr(self.protocol, "messages", 1) * self.message_overhead_s)
         evals = EvalRider() if self.fed.evaluate else None
         self.riders = self.riders_for(rnd, evals)
         announcer = EvalAnnouncer(rnd, {self.site_name(n) for n in nodes}, self.progress, t0) if evals is not None else None

@@ -44,6 +44,7 @@ class PlainRound:
     """`Strategy` of one train stage: send the model, decode, check and average the updates."""
 
     aborts: tuple[type[BaseException], ...] = ()
+    messages = 1  # a round's messages to each site: the train message (the round planner's fixed cost)
 
     def __init__(self, fed: FederationConfig, bundle: CoordinatorBundle | None, replay: ReplayGuard,
                  spill_dir: Path | None = None):

@@ -9,7 +9,11 @@ and gave at discovery (site_trainer/local_trainer.py `_time_step`), the bytes of
 each codec (what that codec really sent in an earlier round, else round_plan.wire_bytes) and the
 model's bytes down (what the last round's sites received on the data path, else the dense model),
 and what the last round cost besides (its wall time less the slowest site's trainer calls, the
-predicted transfer and any link probe: Flower's delivery, ClientApp start-up, aggregation).
+predicted transfer and any link probe: Flower's delivery, ClientApp start-up, aggregation). Before
+any round that last figure is estimated from discovery: the slowest site's seconds of a discovery
+message outside its handler (`message_overhead_s`), once per message a round sends each site (the
+round strategy's `messages`: SecAgg+ sends two). Without it round 1 was planned as if its
+messages cost nothing and overran its target by half (92 s for 60 s, benchmarks/wan_time_to_loss.py).
 
 A resumed run re-measures its links at discovery and gets the step times and sizes from the
 restored history, so the rounds it runs are chosen from fresh links; the rounds before keep the
@@ -23,6 +27,14 @@ from collections.abc import Callable, Mapping
 from federation.config.schema import ExperimentConfig
 from federation.coordinator.round_plan import RoundChoice, choose, wire_bytes
 from federation.protocol.link_probe import LinkFigures
+
+
+def message_overhead_s(costs: Mapping[str, Mapping[str, float]]) -> float:
+    """The slowest site's seconds of one message outside its handler (Flower's delivery, the
+    ClientApp's start-up, the reply's return), from a stage's per-site message costs
+    (protocol/message_cost.py); 0 when no reply said when its handler ran."""
+    return max((float(c["total_s"]) - float(c["handler_s"]) for c in costs.values()
+                if "total_s" in c and "handler_s" in c), default=0.0)
 
 
 def _count(value: object) -> int:
@@ -87,9 +99,11 @@ class RoundPlanner:
         return max(0.0, total)
 
     def choose(self, rnd: int, sites: list[str], links: Mapping[str, LinkFigures], history: list[dict],
-               numel: int, dense_bytes: int, estimates: Mapping[str, float] | None = None) -> RoundChoice:
+               numel: int, dense_bytes: int, estimates: Mapping[str, float] | None = None,
+               first_fixed_s: float = 0.0) -> RoundChoice:
         """Round `rnd`'s choice for `sites`; logged with its reason. `estimates`: site -> seconds per
-        step its trainer timed at its start, for the sites no round has measured yet."""
+        step its trainer timed at its start, for the sites no round has measured yet; `first_fixed_s`:
+        what a round costs besides, before any round has measured it (from discovery)."""
         up, down = self.sizes(history, numel)
         measured = self.step_times(history)
         estimated = {s: v for s, v in (estimates or {}).items() if s not in measured}
@@ -97,7 +111,8 @@ class RoundPlanner:
                         {**estimated, **measured}, self.ladder, up, down if down is not None else float(dense_bytes),
                         link_share=self.fed.link.link_share, min_steps=self.fed.link.min_local_steps,
                         max_steps=self.fed.link.max_local_steps, fallback_codec=self.fed.codec,
-                        fixed_s=self.fixed_s(history), estimated=frozenset(estimated),
+                        fixed_s=self.fixed_s(history) if history else max(0.0, first_fixed_s),
+                        estimated=frozenset(estimated),
                         # round 1 has no earlier reply to train behind: its steps, transfer and fixed cost add up
                         overlap=self.fed.overlap and bool(history))
         self.choices[rnd] = choice

@@ -239,6 +239,7 @@ class SecAggRound:
     """`Strategy` for `federation.secagg.enabled`: see the module docstring."""
 
     aborts = (SecAggAbort,)
+    messages = 2  # a round's messages to each site: train (stage 3) and unmask (stage 4); setup rides along
 
     def __init__(self, fed: FederationConfig, bundle: CoordinatorBundle | None, replay: ReplayGuard,
                  spill_dir: Path | None = None):
