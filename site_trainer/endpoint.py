@@ -16,7 +16,7 @@ from typing import Any, Callable
 import grpc
 
 SERVICE = "sovfl.SiteTrainer"
-METHODS = ("Info", "Train", "Evaluate", "Stop")
+METHODS = ("Info", "Train", "Evaluate", "Export", "Stop")
 MAX_SOCKET_PATH = 107  # sun_path limit on Linux, less the terminating NUL
 
 

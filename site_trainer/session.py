@@ -36,7 +36,7 @@ import queue
 import signal
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
@@ -523,12 +523,14 @@ class Session:
                     if not fut.cancelled():
                         fut.set_result({"ok": False, "error": f"site {self.site}: {err}"})
                     method, request, fut = "Heartbeat", {}, None
+            elif method == "Export":
+                pass  # every rank streams its part (below)
             elif fut is not None:  # a caller's method the loop does not run (Heartbeat, Step, Stop are its own)
                 fut.set_result({"ok": False, "error": f"site {self.site}: unknown method {method!r}"})
                 method, request, fut = "Heartbeat", {}, None
             header = [method, {k: v for k, v in request.items() if k != "global"}, ckpt]
         else:
-            header = [None, None, None]
+            header, fut = [None, None, None], None
         if self.world > 1:
             dist.broadcast_object_list(header, src=0)
         method, request, ckpt = header
@@ -540,6 +542,9 @@ class Session:
             return None, None
         if method == "Step":  # every rank: the same background steps (site_trainer/overlap.py)
             self.overlap.run(int(request["steps"]))
+            return None, None
+        if method == "Export":
+            self._export(fut)
             return None, None
         req = _Request(method, request, fut, reader) if self.rank == 0 else _Request(method, request, None, None)
         return req, {"Train": "train", "Evaluate": "evaluate"}[method]
@@ -706,13 +711,42 @@ class Session:
         factor = rnd.config.get("overlap_max_steps_factor", 1.0)
         self.overlap.sent(self._entries(), rnd.number, background_budget(rnd.local_steps, factor))
 
+    def _write_exchanged(self, tag: str, wire: Callable[[str, torch.Tensor], np.ndarray]
+                         ) -> tuple[handoff.Handle | None, list[str]]:
+        """Collective: stream the exchanged tensors into a hand-off file of rank 0's, one tensor at a
+        time, each as `wire(name, tensor)` gives it; (its handle on rank 0, every rank's digest)."""
+        writer = handoff.Writer(self.layout.wire_spec(), tag=f"{self.site}-{tag}") if self.rank == 0 else None
+        try:
+            digests = self.gather((lambda name, t: writer.write(name, wire(name, t))) if writer is not None else None)
+        except BaseException:
+            if writer is not None:  # no reply will name this file: free its memory now
+                writer.close()
+                handoff.release(writer.handle.path)
+            raise
+        if writer is not None:
+            writer.close()
+        return (writer.handle if writer is not None else None), digests
+
+    def _export(self, fut: Future | None) -> None:
+        """Collective: the exchanged tensors as they are now, as they travel, in a hand-off file the
+        caller (rank 0's `fut`) reads and unlinks. At discovery it is how a site shows it already
+        holds the coordinator's starting model, which round 1 then does not send (federation's
+        downlink, site/downlink_mod.py `offer_held`)."""
+        handle, _ = self._write_exchanged("export", lambda name, t: layout.to_wire(t))
+        if handle is None:
+            return
+        self.last_files.append(handle.path)  # unlinked at the next round if the caller is gone
+        if fut is None or fut.cancelled():
+            handoff.release(handle.path)
+            return
+        fut.set_result({"ok": True, "model": handle.to_json()})
+
     def _pack_update(self, req: _Request, kind: str, round_no: int) -> tuple[handoff.Handle | None, list[str]]:
         """Collective: stream the exchanged tensors into rank 0's hand-off file (weights, or the delta
         from the global model it read), one tensor at a time; every rank gets every rank's digest."""
-        writer = handoff.Writer(self.layout.wire_spec(), tag=f"{self.site}-update") if self.rank == 0 else None
         specs = {s.name: s for s in self.layout.exchanged}
 
-        def put(name: str, t: torch.Tensor) -> None:
+        def put(name: str, t: torch.Tensor) -> np.ndarray:
             out = layout.to_wire(t)
             if kind == "delta":
                 glob = req.reader[name]  # a fresh copy of the global tensor: subtract into it
@@ -721,18 +755,9 @@ class Session:
                 else:  # raw bf16 words, or a float32 global of a bf16 tensor: subtract in float32
                     g = layout.from_wire(glob, specs[name].dtype).float()
                     out = layout.to_wire((t.float() - g).to(specs[name].dtype))
-            writer.write(name, out)
+            return out
 
-        try:
-            digests = self.gather(put if writer is not None else None)
-        except BaseException:
-            if writer is not None:  # no reply will name this file: free its memory now
-                writer.close()
-                handoff.release(writer.handle.path)
-            raise
-        if writer is not None:
-            writer.close()
-        handle = writer.handle if writer is not None else None
+        handle, digests = self._write_exchanged("update", put)
         if handle is not None and self.config.site.dump_updates:
             dump = Path(self.config.workdir) / "updates"
             dump.mkdir(parents=True, exist_ok=True)

@@ -77,12 +77,14 @@ def test_federation_with_topk_uplink_and_int8_downlink(tmp_path, marker):
     # the residual came back from the site store in round 2 (error feedback across rounds)
     assert [s["state_arrays_in"] for s in lines[0]["sites"].values()] == [0, 0]
     assert all(s["state_arrays_in"] > 0 for s in lines[1]["sites"].values())
-    # downlink: round 1 evaluates and trains on the full model; round 2 on an int8 step from it, and
-    # the final evaluation gets the next step (each model travels once)
+    # downlink: each site's trainer built the coordinator's starting model (same workload, same seed) and
+    # showed it at discovery, so round 1 sends no model (it evaluates and trains on the one it holds); round 2
+    # gets an int8 step from it, and the final evaluation the next step (each model travels once)
     dense = lines[0]["sites"]["a"]["dense_bytes"]
     r1, r2, fin = lines[0]["downlink"], lines[1]["downlink"], lines[1]["final_eval_downlink"]
-    assert r1["modes"] == {"full": 2} and r2["modes"] == {"steps": 2} and fin["modes"] == {"steps": 2}
-    assert lines[0]["bytes_down"] >= 2 * dense and lines[1]["bytes_down"] * 3 < 2 * dense  # train stage
+    assert r1["modes"] == {"hold": 2} and r2["modes"] == {"steps": 2} and fin["modes"] == {"steps": 2}
+    assert set(r1["bytes"].values()) == {0} and r1["dense_bytes"] == 2 * dense
+    assert lines[0]["bytes_down"] * 10 < dense and lines[1]["bytes_down"] * 3 < 2 * dense  # train stage
     assert all(b * 3 < dense for b in r2["bytes"].values()) and r2["ratio"] > 3  # vs 1 dense message
     assert all(b * 3 < dense for b in fin["bytes"].values()) and fin["ratio"] > 3
     refs = [json.loads((run / "sites" / s / "downlink" / "reference.json").read_text()) for s in ("a", "b")]
@@ -93,6 +95,8 @@ def test_federation_with_topk_uplink_and_int8_downlink(tmp_path, marker):
     # each round's evaluation is said as soon as the sites have it: on the data path, before their local
     # steps (the signed replies that carry it come after them), so well before the round ends
     said = (run / "progress.log").read_text()
+    assert said.count("already holds the global model") == 2 and said.index("site a already holds") < said.index(
+        "round 1/2 aggregated")
     for r, line in enumerate(lines, start=1):
         early = re.search(rf"round {r}: the model of round {r - 1} evaluated by 2 site\(s\), reported on the data "
                           rf"path before their local steps: eval_loss=([0-9.]+)", said)

@@ -13,8 +13,10 @@ from federation.config.schema import parse_config
 from federation.coordinator.driver import Coordinator, Site
 from federation.protocol.downlink_steps import DownlinkError, reconstruct
 from federation.protocol.message_keys import DOWNLINK as RECORD
+from federation.protocol.message_keys import DOWNLINK_TARGET
 from federation.protocol.message_keys import MODEL_DIGEST as DIGEST_KEY
-from federation.site.downlink_mod import receive_global
+from federation.site.downlink_mod import offer_held, receive_global
+from federation.site.trainer_call import TrainerFailed
 from federation.site.site_store import ReferenceStore
 from federation.protocol.payload_records import from_records, to_records
 from site_trainer import handoff
@@ -207,3 +209,73 @@ def test_relay_keeps_the_reference_in_the_workdir(tmp_path):
     dense.release()
     with pytest.raises(FileNotFoundError):
         handoff.map_arrays(dense.handle)
+
+
+class _Holds:
+    """A trainer that shows the model it holds (`export`), counting the calls; `fail`: it cannot."""
+
+    def __init__(self, arrays: dict[str, np.ndarray] | None, fail: bool = False):
+        self.arrays, self.fail, self.calls = arrays, fail, 0
+
+    def export(self, timeout_s: float):
+        self.calls += 1
+        if self.fail:
+            raise TrainerFailed("trainer at /x.sock did not answer Export within 5s")
+        return handoff.write_arrays(self.arrays, tag="test-export") if self.arrays is not None else None
+
+
+def test_a_site_holding_the_starting_model_says_so_at_discovery_and_round_1_sends_none(tmp_path):
+    """offer_held: the trainer's model, bit for bit the coordinator's, becomes the site's reference and
+    the discovery status says so; the coordinator's next message to it is `hold` (no arrays), which
+    the site turns into that very model; asked again, the store answers without the trainer."""
+    coord = coordinator(tmp_path, "int8")
+    target = coord.downlink_target()[DOWNLINK_TARGET]
+    store_dir = tmp_path / "site" / "downlink"
+    trainer = _Holds(model())
+    held, what = offer_held(trainer, lambda: store_dir, target, 5.0)
+    assert held == {DIGEST_KEY: target} and "is not sent" in what and trainer.calls == 1
+    assert not any(p.name.startswith("sovfl-test-export") for p in handoff.scratch_dir().iterdir())  # unlinked
+    coord.downlink.heard(1, held)
+    rd = coord.model_message(1, 30)(1)
+    assert len(rd.array_records["global"]) == 0 and rd.config_records[RECORD]["mode"] == "hold"
+    glob = receive_global(rd, "a", lambda: store_dir)
+    assert all(np.array_equal(v, coord.model[k]) for k, v in handoff.map_arrays(glob.handle).items())
+    assert glob.status == {DIGEST_KEY: target}
+    again, what = offer_held(trainer, lambda: store_dir, target, 5.0)
+    assert again == held and trainer.calls == 1 and "its reference" in what
+    assert coord.downlink.round_metrics()["modes"] == {"hold": 1}
+
+
+@pytest.mark.parametrize("trainer,needle", [
+    (_Holds(model(seed=1)), "is not the coordinator's"),  # another starting point: the model is sent
+    (_Holds(None), "shows no model"),
+    (_Holds(model(), fail=True), "did not answer Export"),
+    (object(), "no export"),  # a user's trainer written without it
+], ids=["other-model", "none", "trainer-failed", "no-export"])
+def test_a_site_that_cannot_show_the_starting_model_is_sent_it(tmp_path, trainer, needle):
+    coord = coordinator(tmp_path, "int8")
+    target = coord.downlink_target()[DOWNLINK_TARGET]
+    store_dir = tmp_path / "site" / "downlink"
+    held, what = offer_held(trainer, lambda: store_dir, target, 5.0)
+    assert held == {} and needle in what and "the model is sent" in what
+    assert ReferenceStore(store_dir).load() is None  # nothing kept
+    coord.downlink.heard(1, held)
+    assert coord.model_message(1, 30)(1).config_records[RECORD]["mode"] == "full"
+
+
+def test_raw_bf16_words_are_held_as_the_coordinator_s_float32_reference(tmp_path):
+    """A bf16 model travels as raw words; the coordinator's reference is their exact float32, and so
+    is what the site keeps of its trainer's export."""
+    words = {k: (v.view(np.uint32) >> 16).astype("<u2") for k, v in model().items()}
+    cfg = parse_config({"federation": {"name": "dl", "downlink_codec": "int8", "evaluate": False},
+                        "sites": [{"id": "a", "partition": 0}]})
+    coord = Coordinator(None, cfg, tmp_path / "coord", 1, words)
+    target = coord.downlink_target()[DOWNLINK_TARGET]
+    held, _ = offer_held(_Holds(words), lambda: tmp_path / "site", target, 5.0)
+    assert held == {DIGEST_KEY: target}
+    kept = ReferenceStore(tmp_path / "site").load()[1]
+    assert all(kept[k].dtype == np.float32 and np.array_equal(kept[k], coord.downlink.reference[k]) for k in words)
+
+
+def test_without_a_downlink_codec_discovery_names_no_model(tmp_path):
+    assert coordinator(tmp_path, "identity").downlink_target() == {}

@@ -131,6 +131,11 @@ def test_the_planner_plans_round_1_from_the_trainers_start_up_estimates():
     # a (10 - 0.40 - 2) / 0.1 = 75.97, b (10 - 4.02 - 2) / 0.05 = 79.5
     f = planner.choose(1, ["a", "b"], links, [], 10_000_000, 40 * MB, {"a": 0.1, "b": 0.05}, first_fixed_s=2.0)
     assert f.local_steps == 75 and f.fixed_s == 2.0 and "the round's fixed 2.00s" in f.reason
+    # every site already holds the model (said at discovery): only the update travels, and dense float32
+    # fits (b: 40 MB up at 100 Mbit/s, 3.2 s); a (10 - 0.32) / 0.1 = 96.8 steps, b (10 - 3.2) / 0.05 = 136
+    held = planner.choose(1, ["a", "b"], links, [], 10_000_000, 40 * MB, {"a": 0.1, "b": 0.05}, nothing_down=True)
+    assert held.codec == "float32" and held.transfer_s == pytest.approx(3.2) and held.local_steps == 96
+    assert "no model goes down: every site already holds it" in held.reason
     partial = planner.choose(1, ["a", "b"], links, [], 10_000_000, 40 * MB, {"a": 0.1})
     assert partial.local_steps is None and "no step time yet for b" in partial.reason
     # a measured round wins over the estimate (0.2 s per step measured for a, against 0.1 estimated)

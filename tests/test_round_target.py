@@ -56,7 +56,9 @@ def _sites(tmp_path, pki, addresses: dict[str, str], told: dict[str, list], esti
             delta = {k: (0.01 * rng.standard_normal(v.shape)).astype(np.float32) for k, v in model.items()}
             return delta, {"loss": 1.0 / cfg.round, "train_s": steps * STEP_S[name]}
         # `estimates`: each declares its step time at discovery, as the site trainer times one at its start
-        return FunctionTrainer(train, 10 * (i + 1), tmp_path / name, step_s_estimate=STEP_S[name] if estimates else None)
+        # each also built the coordinator's starting model, and shows it at discovery: round 1 sends none
+        return FunctionTrainer(train, 10 * (i + 1), tmp_path / name, step_s_estimate=STEP_S[name] if estimates else None,
+                               holds=_initial())
 
     sites = []
     for i, name in enumerate(("s0", "s1", "s2")):
@@ -72,7 +74,7 @@ def _sites(tmp_path, pki, addresses: dict[str, str], told: dict[str, list], esti
 def test_each_round_s_codec_and_steps_are_chosen_from_the_measured_links_applied_and_logged(tmp_path, pki, protection):
     cfg = ExperimentConfig.model_validate({
         "federation": {"name": "target", "rounds": 3, "quorum": 2, "evaluate": False, "seed": 5, **protection,
-                       "round_target_s": 3.0,
+                       "round_target_s": 3.0, "downlink_codec": "int8",
                        "link": {"probe_seconds": 0.5, "probe_max_bytes": 8 << 20, "probe_flower_bytes": 1 << 20,
                                 "probe_every": 2, "max_local_steps": 400}},
         "sites": [{"id": f"s{i}", "partition": i} for i in range(3)],
@@ -118,17 +120,19 @@ def test_each_round_s_codec_and_steps_are_chosen_from_the_measured_links_applied
         for site in ("s0", "s1", "s2"):
             assert (rnd, plan["codec"], plan["local_steps"]) in told[site], (site, told[site])
     # round 1: no step measured yet; the sites' estimates from discovery plan it (nothing to overlap yet),
-    # and its fixed cost is the discovery's slowest message overhead once per message the round sends
+    # its fixed cost is the discovery's slowest message overhead once per message the round sends, and no
+    # model goes down (every site said at discovery it holds the starting model)
     plan = metrics[0]["round_plan"]
     messages = 2 if "secagg" in protection else 1
     assert coord.message_overhead_s > 0
     assert plan["fixed_s"] == pytest.approx(messages * coord.message_overhead_s, abs=1e-4)
     figs = {s: LinkFigures(**{k: v for k, v in f.items()}) for s, f in metrics[0]["links"].items()}
     up = coord.planner.sizes([], 720050)[0]
-    again = choose(1, 3.0, figs, STEP_S, ladder, up, 720050 * 4, max_steps=400, fallback_codec=cfg.federation.codec,
+    again = choose(1, 3.0, figs, STEP_S, ladder, up, 0.0, max_steps=400, fallback_codec=cfg.federation.codec,
                    estimated=frozenset(STEP_S), fixed_s=messages * coord.message_overhead_s)
     assert (again.codec, again.local_steps) == (plan["codec"], plan["local_steps"]) and plan["local_steps"] >= 1
-    assert "its trainer's estimate at start-up" in plan["reason"]
+    assert "its trainer's estimate at start-up" in plan["reason"] and "no model goes down" in plan["reason"]
+    assert metrics[0]["downlink"]["modes"] == {"hold": 3} and "no model goes down" not in metrics[1]["round_plan"]["reason"]
     for rnd in (2, 3):  # from then on the rule's own result on the figures the line records
         line, before = metrics[rnd - 1], metrics[rnd - 2]
         plan = line["round_plan"]
@@ -175,7 +179,7 @@ class _DiesAtTrain(InProcessGrid):
 def test_a_resumed_run_measures_again_and_chooses_from_the_restored_history(tmp_path, pki):
     cfg = ExperimentConfig.model_validate({
         "federation": {"name": "target-resume", "rounds": 3, "quorum": 2, "evaluate": False, "seed": 5,
-                       "round_target_s": 3.0, "data_path": {"enabled": False},
+                       "round_target_s": 3.0, "downlink_codec": "int8", "data_path": {"enabled": False},
                        "link": {"probe_flower_bytes": 1 << 16, "max_local_steps": 400}},
         "sites": [{"id": f"s{i}", "partition": i} for i in range(3)],
     })

@@ -36,6 +36,24 @@ def service(tmp_path_factory):
 
 
 
+def _export(cfg) -> dict[str, np.ndarray]:
+    reply = endpoint.call(cfg.socket, "Export", {"timeout_s": 60}, timeout_s=60)
+    return update_of({"update": reply["model"]})  # copied out, the file unlinked
+
+
+def test_export_shows_the_model_the_trainer_holds(service):
+    """`Export` (every rank streams its part): before any round, the model the trainer built, bit for
+    bit the coordinator's starting model (same workload, same seed: round 1 need not send it); after a
+    round, the weights it trained to."""
+    cfg, init, _ = service
+    first = _export(cfg)
+    assert list(first) == list(init) and all(first[k].dtype == init[k].dtype for k in init)
+    assert all(np.array_equal(first[k], init[k]) for k in init)
+    w = update_of(call(cfg, "Train", init, round=1, config={"update_kind": "weights"}, timeout_s=60))
+    after = _export(cfg)
+    assert all(np.array_equal(after[k], w[k]) for k in init) and any(not np.array_equal(w[k], init[k]) for k in init)
+
+
 def test_train_returns_a_real_delta_and_ranks_agree(service):
     cfg, init, _ = service
     reply = call(cfg, "Train", init, round=1, config={"update_kind": "delta"}, timeout_s=60)

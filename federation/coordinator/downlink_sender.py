@@ -82,6 +82,11 @@ class DownlinkSender:
                 self.steps.pop(0)  # a site that far behind is better served by the full model
         self._encode_s += time.perf_counter() - t0
 
+    def holds(self, node: int, model: Arrays) -> bool:
+        """Whether `node`'s next message of `model` carries no model: it said it holds the reference,
+        and the reference already follows `model` (the round planner's bytes down)."""
+        return self.codec is not None and model is self._source and self.held.get(node) == self.digest
+
     def payload(self, node: int) -> tuple[tuple, Payload]:
         """(cache key, payload) for `node`. What the node holds is forgotten until it reports again:
         if its reply fails, it may hold anything, and it gets the full model next time."""

@@ -573,7 +573,7 @@ class Coordinator:
 
     def discovery(self, nodes: list[int], riders: list[Rider], deadline_s: float, stage: str) -> ExchangeResult:
         """Ask `nodes` who they are (site name, examples, base manifest, channel key), `riders` aboard."""
-        discover = ConfigRecord({"secagg": self.secagg is not None})
+        discover = ConfigRecord({"secagg": self.secagg is not None, **self.downlink_target()})
         probe = {keys.PROBE: self.links.request(0)} if self.links is not None else {}  # sites on the data path measure
         self.riders = riders
         try:
@@ -581,6 +581,14 @@ class Coordinator:
                 {keys.CONFIG: ConfigRecord({}), keys.DISCOVER: discover, **probe}), deadline_s))
         finally:
             self.riders = []
+
+    def downlink_target(self) -> dict:
+        """With a downlink codec, the digest of the model the next message sends (DOWNLINK_TARGET):
+        a site that already holds it says so at discovery and is not sent it (site/downlink_mod.py)."""
+        if self.downlink.codec is None:
+            return {}
+        self.downlink.update(self.model)  # the reference follows the model (one step per new model)
+        return {keys.DOWNLINK_TARGET: self.downlink.digest} if self.downlink.digest else {}
 
     def enrol(self, res: ExchangeResult, online: set[int] | None = None) -> None:
         """Take the sites that answered a discovery (`claim`), `online` the nodes the SuperLink lists now."""
@@ -622,6 +630,10 @@ class Coordinator:
         self.sites[node] = Site(node, site, examples, step_s_estimate(status))
         if self.bulk is not None:
             self.bulk.heard(site, status)
+        self.downlink.heard(node, status)
+        if self.downlink.codec is not None and status.get(keys.MODEL_DIGEST) == self.downlink.digest:
+            self.progress(f"site {site} already holds the global model ({self.downlink.digest}): its next message "
+                          "does not carry it")
         pk = status.get("secagg_channel_pk")
         if isinstance(pk, bytes) and len(pk) == 32:
             self.channel_keys[site] = pk
@@ -726,7 +738,8 @@ class Coordinator:
                                 self.history, sum(int(v.size) for v in self.model.values()),
                                 sum(v.nbytes for v in self.model.values()),
                                 {s.name: s.step_s_estimate for s in self.sites.values() if s.step_s_estimate},
-                                first_fixed_s=getattr(self.protocol, "messages", 1) * self.message_overhead_s)
+                                first_fixed_s=getattr(self.protocol, "messages", 1) * self.message_overhead_s,
+                                nothing_down=bool(nodes) and all(self.downlink.holds(n, self.model) for n in nodes))
         evals = EvalRider() if self.fed.evaluate else None
         self.riders = self.riders_for(rnd, evals)
         announcer = EvalAnnouncer(rnd, {self.site_name(n) for n in nodes}, self.progress, t0) if evals is not None else None

@@ -31,7 +31,9 @@ What is deliberately not restored, and why:
 - Attested admission is redone: every site is re-attested on fresh nonces at the first resumed
   round. A restarted coordinator trusts evidence, not a file that claims a site was admitted.
 - What each site reported holding of the downlink model (node ids may change over a restart):
-  each site gets the full reference once, which is bit for bit what it would have rebuilt.
+  each site says again at discovery whether its store holds the restored reference (then it is
+  sent nothing, site/downlink_mod.py `offer_held`); any other gets the full reference once, which
+  is bit for bit what it would have rebuilt.
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ else its own `local_steps`; under overlap, over those and its background steps: 
 in) plus discarded) or, before a site's first round, the estimate its trainer timed at its start
 and gave at discovery (site_trainer/local_trainer.py `_time_step`), the bytes of an update under
 each codec (what that codec really sent in an earlier round, else round_plan.wire_bytes) and the
-model's bytes down (what the last round's sites received on the data path, else the dense model),
+model's bytes down (none when every site already holds the model, as after discovery when the
+sites built the coordinator's starting model; else what the last round's sites received on the
+data path, else the dense model),
 and what the last round cost besides (its wall time less the slowest site's trainer calls, the
 predicted transfer and any link probe: Flower's delivery, ClientApp start-up, aggregation). Before
 any round that last figure is estimated from discovery: the slowest site's seconds of a discovery
@@ -23,6 +25,7 @@ choices their lines record.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 
 from federation.config.schema import ExperimentConfig
 from federation.coordinator.round_plan import RoundChoice, choose, wire_bytes
@@ -100,11 +103,14 @@ class RoundPlanner:
 
     def choose(self, rnd: int, sites: list[str], links: Mapping[str, LinkFigures], history: list[dict],
                numel: int, dense_bytes: int, estimates: Mapping[str, float] | None = None,
-               first_fixed_s: float = 0.0) -> RoundChoice:
+               first_fixed_s: float = 0.0, nothing_down: bool = False) -> RoundChoice:
         """Round `rnd`'s choice for `sites`; logged with its reason. `estimates`: site -> seconds per
         step its trainer timed at its start, for the sites no round has measured yet; `first_fixed_s`:
-        what a round costs besides, before any round has measured it (from discovery)."""
+        what a round costs besides, before any round has measured it (from discovery);
+        `nothing_down`: every site already holds the model the round sends (the downlink's hold)."""
         up, down = self.sizes(history, numel)
+        if nothing_down:
+            down = 0.0
         measured = self.step_times(history)
         estimated = {s: v for s, v in (estimates or {}).items() if s not in measured}
         choice = choose(rnd, float(self.fed.round_target_s or 0), {s: links[s] for s in sites if s in links},
@@ -115,6 +121,8 @@ class RoundPlanner:
                         estimated=frozenset(estimated),
                         # round 1 has no earlier reply to train behind: its steps, transfer and fixed cost add up
                         overlap=self.fed.overlap and bool(history))
+        if nothing_down:
+            choice = replace(choice, reason=f"{choice.reason}; no model goes down: every site already holds it")
         self.choices[rnd] = choice
         self.progress(f"round {rnd}: round target {self.fed.round_target_s:g}s: {choice.reason}")
         return choice

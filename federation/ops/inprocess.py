@@ -134,14 +134,16 @@ class FunctionTrainer:
     on numpy arrays, with the site's example count and a workdir for its store. `handoff_update`:
     return the update as the trainer service does, in a hand-off file (the ClientApp streams it).
     `step_s_estimate`: the seconds per local step it declares at discovery, as the site trainer
-    times one at its start (round_target_s plans round 1 with it)."""
+    times one at its start (round_target_s plans round 1 with it). `holds`: the model it starts
+    from, shown at discovery (`export`), as the site trainer shows the model it built."""
 
     def __init__(self, train: Callable[[Arrays, RoundConfig], tuple[Arrays, dict]], num_examples: int,
                  workdir: str | Path, evaluate: Callable[[Arrays, RoundConfig], dict] | None = None,
-                 handoff_update: bool = False, step_s_estimate: float | None = None):
+                 handoff_update: bool = False, step_s_estimate: float | None = None, holds: Arrays | None = None):
         self._train, self._evaluate, self.handoff_update = train, evaluate, handoff_update
         self.num_examples, self._workdir = int(num_examples), Path(workdir)
         self.step_s_estimate = step_s_estimate
+        self.holds = holds
 
     def info(self) -> dict:
         """Discovery: the example count, one rank (and the declared step time, if any)."""
@@ -151,6 +153,10 @@ class FunctionTrainer:
     def workdir(self) -> Path:
         """Where this site's store lives."""
         return self._workdir
+
+    def export(self, timeout_s: float) -> handoff.Handle | None:  # noqa: ARG002 - nothing to wait for
+        """The model it starts from (`holds`) in a hand-off file the caller unlinks; None without one."""
+        return handoff.write_arrays(self.holds, tag="inprocess-export") if self.holds is not None else None
 
     def train(self, model: GlobalModel, config: RoundConfig) -> TrainResult:
         """Run the training function on the model's arrays."""

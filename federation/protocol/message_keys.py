@@ -33,8 +33,11 @@ UPDATE_META = "update_meta"  # ConfigRecord: the update's metadata
 SECAGG_CHUNKS = "secagg_chunks"  # ArrayRecord: one packed uint8 Array per masked chunk, keyed by word offset
 MSG_COST = "msg_cost"  # MetricRecord: any reply: when its ClientApp process and handler ran (message_cost.py)
 
+# fields of DISCOVER
+DOWNLINK_TARGET = "downlink_target"  # the digest of the coordinator's downlink reference (a downlink codec on)
+
 # fields of STATUS
-MODEL_DIGEST = "model_digest"  # the model a site holds after a downlink message
+MODEL_DIGEST = "model_digest"  # the model a site holds after a downlink message (discovery: if it is DOWNLINK_TARGET)
 MANIFEST = "manifest"  # discovery reply: the site's base-model manifest, JSON (coordinator/manifest_check.py)
 
 # SecAgg+ steps (crypto/secagg): the setup of round r rides on a message of round r - 1 (or on

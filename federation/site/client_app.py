@@ -25,6 +25,7 @@ the site and says what went wrong (or, in SecAgg stage 3, a Flower error reply).
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable
 
@@ -40,7 +41,7 @@ from federation.protocol.pipeline import Payload
 from federation.site.attestation_mod import attestation_mod
 from federation.site.bulk_mod import bulk_mod
 from federation.site.codec_mod import codec_mod
-from federation.site.downlink_mod import dense_global, downlink_mod
+from federation.site.downlink_mod import dense_global, downlink_mod, offer_held
 from federation.site.fault_hooks import absent
 from federation.site.protection_mod import protection_mod
 from federation.site.replies import fail, status
@@ -50,6 +51,8 @@ from federation.site.trainer_call import EvalResult, ServiceTrainer, TrainerFail
 from federation.site.update_stream import reader_records
 
 APP_IMPORT_S = time.perf_counter() - _IMPORTS_START  # reported per message (protocol/message_cost.py)
+REPLY_MARGIN_S = 10.0  # a message's TTL beyond its deadline (coordinator/driver.py): not ours to spend
+log = logging.getLogger("sovfl.site")
 return_freed_tensors()  # chunks and tensors come and go: freed ones leave the process (protocol/malloc_policy.py)
 
 
@@ -72,8 +75,21 @@ def query(msg: Message, context: Context) -> Message:
     manifest = {keys.MANIFEST: json.dumps(info["manifest"], separators=(",", ":"))} if info.get("manifest") else {}
     # the trainer's seconds per local step, timed at its start: round 1's figure for round_target_s
     step = {"step_s_estimate": float(info["step_s_estimate"])} if info.get("step_s_estimate") else {}
+    held = _offer_held(env, msg)
     return Message(RecordDict({keys.STATUS: status(env.site, True, num_examples=info["num_examples"],
-                                                   ranks=info["ranks"], **manifest, **step)}), reply_to=msg)
+                                                   ranks=info["ranks"], **manifest, **step, **held)}), reply_to=msg)
+
+
+def _offer_held(env: SiteEnv, msg: Message) -> dict:
+    """With a downlink codec the coordinator names its model (DOWNLINK_TARGET): say whether this
+    site already holds it, within half of what is left of the message's time (downlink_mod.py)."""
+    target = msg.content.config_records[keys.DISCOVER].get(keys.DOWNLINK_TARGET)
+    if not isinstance(target, str) or not target:
+        return {}
+    left_s = msg.metadata.created_at + msg.metadata.ttl - REPLY_MARGIN_S - time.time()
+    held, what = offer_held(env.trainer, lambda: env.store.reference.dir, target, max(1.0, left_s / 2))
+    log.info("site %s: %s", env.site, what)
+    return held
 
 
 def _trainer_call(msg: Message, context: Context, *methods: str,

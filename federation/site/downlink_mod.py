@@ -5,7 +5,9 @@ hand-off file, and the digest of what the site now holds reported in the reply's
 Without a DOWNLINK record the message carries the dense model, copied to a temporary shared-memory
 file for the trainer. With one, the model is rebuilt from the reference in the site store
 (site_store.py) and becomes the new reference, and the trainer reads that very file (no extra
-copy). The format and the reasoning are in protocol/downlink_steps.py.
+copy). The format and the reasoning are in protocol/downlink_steps.py. At discovery, a site whose
+trainer already holds the coordinator's model (the same starting weights) makes it the reference
+and says so (`offer_held`), and round 1 sends it none.
 """
 
 from __future__ import annotations
@@ -13,15 +15,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 from flwr.app import Context, Message, MessageType, RecordDict
 
 from federation.protocol import message_keys as keys
-from federation.protocol.downlink_steps import DownlinkError, reconstruct
+from federation.protocol.downlink_steps import DownlinkError, model_digest, reconstruct
 from federation.protocol.payload_records import MalformedRecord, from_records
+from federation.protocol.wire_dtypes import to_master
 from federation.site.replies import fail, ok
 from federation.site.site_env import site_env
 from federation.site.site_store import ReferenceStore
-from federation.site.trainer_call import GlobalModel, TrainerFailed
+from federation.site.trainer_call import GlobalModel, Trainer, TrainerFailed
 from federation.site.update_stream import handle_in_blob
 from site_trainer import handoff
 
@@ -64,6 +68,45 @@ def receive_global(content: RecordDict, site: str, store_dir: Callable[[], Path]
     else:
         handle = store.save(model, digest)
     return GlobalModel(handle, False, {keys.MODEL_DIGEST: digest})
+
+
+def offer_held(trainer: Trainer, store_dir: Callable[[], Path], target: str, timeout_s: float) -> tuple[dict, str]:
+    """Discovery: whether this site already holds the coordinator's model `target` (a digest), so
+    that the next message need not carry it: the reference in its store if that is it, else the
+    model its trainer holds now (`export`; at a trainer's start, the model it built from the
+    workload and the seed, or loaded from the same pretrained files), made the reference when it is
+    bit for bit the coordinator's. ({MODEL_DIGEST: target} or {}, what happened, for the site's log).
+    Nothing here fails discovery: a site that cannot tell is sent the model, as before."""
+    store = ReferenceStore(store_dir())
+    current = store.load()
+    if current is not None and current[0] == target:
+        return {keys.MODEL_DIGEST: target}, f"holds the coordinator's model {target} (its reference)"
+    export = getattr(trainer, "export", None)
+    if export is None:
+        return {}, "its trainer cannot show the model it holds (no export): the model is sent"
+    try:
+        handle = export(timeout_s)
+    except TrainerFailed as err:
+        return {}, f"could not read the model its trainer holds ({err}): the model is sent"
+    if handle is None:
+        return {}, "its trainer shows no model: the model is sent"
+    try:
+        arrays = handoff.map_arrays(handle)
+    except (OSError, ValueError) as err:
+        return {}, f"could not read its trainer's export ({err}): the model is sent"
+    finally:
+        handoff.release(handle.path)
+    # as the coordinator's reference: bf16 words as exact float32, every tensor float32
+    model = {k: np.asarray(v, np.float32) for k, v in to_master(arrays, {k: (v.dtype.str, v.shape)
+                                                                         for k, v in arrays.items()}).items()}
+    digest = model_digest(model)
+    if digest != target:
+        return {}, f"its trainer's model {digest} is not the coordinator's {target}: the model is sent"
+    try:
+        store.save(model, digest)
+    except OSError as err:
+        return {}, f"could not keep its trainer's model as the reference ({err}): the model is sent"
+    return {keys.MODEL_DIGEST: digest}, f"holds the coordinator's model {digest} (its trainer's): it is not sent"
 
 
 def dense_global(content: RecordDict, site: str, places: dict[str, tuple[str, int]] | None = None) -> GlobalModel:

@@ -94,6 +94,11 @@ class Trainer(Protocol):
     def evaluate(self, model: GlobalModel, config: RoundConfig) -> EvalResult:
         """Evaluation of `model` on the site's held-out data."""
 
+    # Optional: `export(timeout_s) -> handoff.Handle | None`, the exchanged tensors the trainer holds
+    # now, as they travel, in a hand-off file the caller unlinks (None: it has none to show). At
+    # discovery a site that already holds the coordinator's starting model is sent none in round 1
+    # (downlink_mod.offer_held); a trainer without it gets the model as before.
+
 
 class ServiceTrainer:
     """`Trainer` over the site trainer service's Unix-socket endpoint."""
@@ -130,6 +135,15 @@ class ServiceTrainer:
             raise TrainerFailed("the site trainer does not report its workdir; run the same sovereign-fl version on "
                                 "the site as on the coordinator")
         return Path(info["workdir"])
+
+    def export(self, timeout_s: float) -> handoff.Handle:
+        """The exchanged tensors the trainer holds now (`Export`), in a hand-off file the caller
+        reads and unlinks."""
+        reply = self._call("Export", {"timeout_s": timeout_s}, timeout_s)
+        try:
+            return handoff.Handle.from_json(reply["model"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise TrainerFailed(f"the trainer's export hand-off is unusable: {err}") from None
 
     def _request(self, model: GlobalModel, config: RoundConfig) -> dict:
         return {"round": config.round, "global": model.handle.to_json(), "config": config.model_dump(exclude_none=True),
