@@ -263,6 +263,13 @@ def test_a_site_that_cannot_show_the_starting_model_is_sent_it(tmp_path, trainer
     assert coord.model_message(1, 30)(1).config_records[RECORD]["mode"] == "full"
 
 
+def test_a_site_whose_store_cannot_be_found_is_sent_the_model(tmp_path):
+    def nowhere():
+        raise TrainerFailed("cannot find the site's workdir for its store")
+    held, what = offer_held(_Holds(model()), nowhere, "ab" * 16, 5.0)
+    assert held == {} and "cannot find the site's workdir" in what and "the model is sent" in what
+
+
 def test_raw_bf16_words_are_held_as_the_coordinator_s_float32_reference(tmp_path):
     """A bf16 model travels as raw words; the coordinator's reference is their exact float32, and so
     is what the site keeps of its trainer's export."""

@@ -77,7 +77,10 @@ def offer_held(trainer: Trainer, store_dir: Callable[[], Path], target: str, tim
     workload and the seed, or loaded from the same pretrained files), made the reference when it is
     bit for bit the coordinator's. ({MODEL_DIGEST: target} or {}, what happened, for the site's log).
     Nothing here fails discovery: a site that cannot tell is sent the model, as before."""
-    store = ReferenceStore(store_dir())
+    try:
+        store = ReferenceStore(store_dir())
+    except TrainerFailed as err:  # the store's place is the trainer's workdir
+        return {}, f"{err}: the model is sent"
     current = store.load()
     if current is not None and current[0] == target:
         return {keys.MODEL_DIGEST: target}, f"holds the coordinator's model {target} (its reference)"
