@@ -17,6 +17,7 @@ from federation.protocol.downlink_steps import (
     MAX_STEPS,
     Step,
     apply_step,
+    as_reference,
     dense_payload,
     full_payload,
     hold_payload,
@@ -66,7 +67,7 @@ class DownlinkSender:
             return
         t0 = time.perf_counter()
         if self.reference is None or UpdateSpec.of(model) != UpdateSpec.of(self.reference):
-            self.reference = {k: np.array(v, dtype=np.float32) for k, v in model.items()}
+            self.reference = as_reference(model)
             self.digest, self.steps = model_digest(self.reference), []
         else:
             self.version += 1

@@ -223,8 +223,8 @@ class Coordinator:
         if self.bulk is not None:
             rd = self.bulk.outgoing(self.known_name(node), rd)
         self.messages[node] += 1
-        # a little TTL beyond our deadline so a site's own timeout report can still get through
-        return Message(rd, dst_node_id=node, message_type=message_type, ttl=deadline_s + 10), seen
+        return Message(rd, dst_node_id=node, message_type=message_type,
+                       ttl=deadline_s + message_cost.TTL_MARGIN_S), seen
 
     def exchange(self, ex: Exchange, receive: Callable[[Reply], None] | None = None,
                  workers: int = 1) -> ExchangeResult:

@@ -55,6 +55,13 @@ def model_digest(arrays: Mapping[str, np.ndarray]) -> str:
     return h.hexdigest()[:32]
 
 
+def as_reference(model: Mapping[str, np.ndarray], copy: bool = True) -> Arrays:
+    """`model` as the downlink keeps it, on the coordinator and on a site alike: every tensor
+    float32 (a model's master copy; bf16 already exact float32), so both compute the same digest.
+    `copy=False`: float32 arrays are taken as they are (a site's mapped export)."""
+    return {k: np.array(v, dtype=np.float32, copy=copy or None) for k, v in model.items()}
+
+
 def apply_step(held: Mapping[str, np.ndarray], step: Mapping[str, np.ndarray],
                out: Mapping[str, np.ndarray] | None = None) -> Arrays:
     """`held + step` as float32, tensor by tensor in `held`'s order. Coordinator and sites both call

@@ -34,6 +34,9 @@ from flwr.app import MetricRecord, RecordDict
 from federation.protocol import message_keys as keys
 
 
+TTL_MARGIN_S = 10.0  # a message lives this long past its deadline, so a site's own timeout report still gets through
+
+
 def process_start_wall() -> float | None:
     """The wall-clock time this process was created (Linux /proc, 10 ms ticks), or None where
     /proc is unavailable."""

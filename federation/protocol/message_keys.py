@@ -38,6 +38,7 @@ DOWNLINK_TARGET = "downlink_target"  # the digest of the coordinator's downlink 
 
 # fields of STATUS
 MODEL_DIGEST = "model_digest"  # the model a site holds after a downlink message (discovery: if it is DOWNLINK_TARGET)
+STEP_S_ESTIMATE = "step_s_estimate"  # discovery reply: the trainer's seconds per local step, timed at its start
 MANIFEST = "manifest"  # discovery reply: the site's base-model manifest, JSON (coordinator/manifest_check.py)
 
 # SecAgg+ steps (crypto/secagg): the setup of round r rides on a message of round r - 1 (or on

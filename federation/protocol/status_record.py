@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from federation.protocol.message_keys import STEP_S_ESTIMATE
 from federation.protocol.pipeline import UpdateRejected
 
 MAX_EXAMPLES = 2**53  # beyond any dataset; keeps weights exact as float64
@@ -37,7 +38,7 @@ def step_s_estimate(status: Mapping) -> float | None:
     """The site trainer's seconds per local step, timed at its start (a discovery reply's
     `step_s_estimate`), or None where it gave none or a value that is not a positive finite number
     (the round planner then waits for the steps of round 1)."""
-    value = status.get("step_s_estimate")
+    value = status.get(STEP_S_ESTIMATE)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e6:
         return None
     return float(value)

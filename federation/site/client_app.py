@@ -36,6 +36,7 @@ from flwr.clientapp import ClientApp
 
 from federation.protocol import message_keys as keys
 from federation.protocol.malloc_policy import return_freed_tensors
+from federation.protocol.message_cost import TTL_MARGIN_S
 from federation.protocol.payload_records import to_records
 from federation.protocol.pipeline import Payload
 from federation.site.attestation_mod import attestation_mod
@@ -51,7 +52,6 @@ from federation.site.trainer_call import EvalResult, ServiceTrainer, TrainerFail
 from federation.site.update_stream import reader_records
 
 APP_IMPORT_S = time.perf_counter() - _IMPORTS_START  # reported per message (protocol/message_cost.py)
-REPLY_MARGIN_S = 10.0  # a message's TTL beyond its deadline (coordinator/driver.py): not ours to spend
 log = logging.getLogger("sovfl.site")
 return_freed_tensors()  # chunks and tensors come and go: freed ones leave the process (protocol/malloc_policy.py)
 
@@ -74,7 +74,7 @@ def query(msg: Message, context: Context) -> Message:
     # the base-model manifest rides on this reply (checked by the coordinator before the first round)
     manifest = {keys.MANIFEST: json.dumps(info["manifest"], separators=(",", ":"))} if info.get("manifest") else {}
     # the trainer's seconds per local step, timed at its start: round 1's figure for round_target_s
-    step = {"step_s_estimate": float(info["step_s_estimate"])} if info.get("step_s_estimate") else {}
+    step = {keys.STEP_S_ESTIMATE: float(info["step_s_estimate"])} if info.get("step_s_estimate") else {}
     held = _offer_held(env, msg)
     return Message(RecordDict({keys.STATUS: status(env.site, True, num_examples=info["num_examples"],
                                                    ranks=info["ranks"], **manifest, **step, **held)}), reply_to=msg)
@@ -86,7 +86,7 @@ def _offer_held(env: SiteEnv, msg: Message) -> dict:
     target = msg.content.config_records[keys.DISCOVER].get(keys.DOWNLINK_TARGET)
     if not isinstance(target, str) or not target:
         return {}
-    left_s = msg.metadata.created_at + msg.metadata.ttl - REPLY_MARGIN_S - time.time()
+    left_s = msg.metadata.created_at + msg.metadata.ttl - TTL_MARGIN_S - time.time()
     held, what = offer_held(env.trainer, lambda: env.store.reference.dir, target, max(1.0, left_s / 2))
     log.info("site %s: %s", env.site, what)
     return held

@@ -15,11 +15,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 from flwr.app import Context, Message, MessageType, RecordDict
 
 from federation.protocol import message_keys as keys
-from federation.protocol.downlink_steps import DownlinkError, model_digest, reconstruct
+from federation.protocol.downlink_steps import DownlinkError, as_reference, model_digest, reconstruct
 from federation.protocol.payload_records import MalformedRecord, from_records
 from federation.protocol.wire_dtypes import to_master
 from federation.site.replies import fail, ok
@@ -99,9 +98,8 @@ def offer_held(trainer: Trainer, store_dir: Callable[[], Path], target: str, tim
         return {}, f"could not read its trainer's export ({err}): the model is sent"
     finally:
         handoff.release(handle.path)
-    # as the coordinator's reference: bf16 words as exact float32, every tensor float32
-    model = {k: np.asarray(v, np.float32) for k, v in to_master(arrays, {k: (v.dtype.str, v.shape)
-                                                                         for k, v in arrays.items()}).items()}
+    # as the coordinator keeps its reference: bf16 words as exact float32, every tensor float32
+    model = as_reference(to_master(arrays, {k: (v.dtype.str, v.shape) for k, v in arrays.items()}), copy=False)
     digest = model_digest(model)
     if digest != target:
         return {}, f"its trainer's model {digest} is not the coordinator's {target}: the model is sent"
