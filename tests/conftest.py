@@ -65,6 +65,23 @@ def pytest_collection_modifyitems(session, config, items):  # noqa: ARG001 - pyt
     items.sort(key=lambda item: (-_seconds(item), item.get_closest_marker("e2e") is None))
 
 
+_MACHINE = pytest.StashKey()
+
+
+def pytest_configure(config):
+    """The controller (not an xdist worker) samples the machine for the summary below."""
+    if not hasattr(config, "workerinput") and sys.platform == "linux":
+        from machine_state import MachineState
+
+        config.stash[_MACHINE] = MachineState().start()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):  # noqa: ARG001 - pytest's hook signature
+    state = config.stash.get(_MACHINE, None)
+    if state is not None:
+        terminalreporter.write_line(state.summary())
+
+
 @pytest.fixture
 def single_rank_group():
     """A real gloo process group of one rank, in this process."""

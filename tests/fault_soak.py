@@ -59,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 ROOT = Path(__file__).resolve().parents[1]
 
 from faults import kill_coordinator, kill_site_rank, kill_supernode, rounds_done, stage_entries, stage_hook_env  # noqa: E402,E501
+from federation.config.schema import Deadlines  # noqa: E402
 from federation.coordinator.checkpoint import CheckpointStore  # noqa: E402
 from federation.ops.launcher import marked_pids  # noqa: E402
 from federation.protocol.downlink_steps import model_digest  # noqa: E402
@@ -108,7 +109,15 @@ def current_stage(hook: Path, since: int) -> tuple[str, str]:
 
 
 def simulate_absent(path: Path, workdir: Path, absent: dict[str, list[int]], marker: str) -> subprocess.Popen:
-    """An uninterrupted `simulate` whose sites sit out the given rounds (the reference)."""
+    """An uninterrupted `simulate` whose sites sit out the given rounds (the reference). Its deadlines
+    are twice the killed run's: nothing here is waited out (a site sitting out answers at once), and
+    they do not enter the computation, while a deadline missed on a loaded machine would make the
+    reference aggregate other sites than the killed run."""
+    cfg = yaml.safe_load(path.read_text())
+    deadlines = {**Deadlines().model_dump(), **cfg["federation"].get("deadlines", {})}
+    cfg["federation"]["deadlines"] = {k: 2 * v for k, v in deadlines.items()}
+    path = path.with_name(f"reference-{path.name}")
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     node_config = {site: {"absent-rounds": ",".join(map(str, rounds))} for site, rounds in absent.items() if rounds}
     code = ("import sys; from federation.ops.launcher import simulate, result_line; "
             f"r = simulate({str(path)!r}, {str(workdir)!r}, node_config={node_config!r}); "

@@ -187,6 +187,8 @@ def wait_metrics_line(path: Path, n: int, proc: subprocess.Popen, timeout: float
             lines = path.read_text().splitlines()
             if len(lines) >= n:
                 return [json.loads(x) for x in lines]
-        assert proc.poll() is None, "sovfl exited early"
+        if proc.poll() is not None:
+            out = proc.stdout.read() if proc.stdout is not None else ""
+            raise AssertionError(f"sovfl exited early (code {proc.returncode}) before metrics line {n}:\n{out}")
         time.sleep(0.1)
     raise AssertionError(f"no metrics line {n} within {timeout}s")

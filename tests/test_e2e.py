@@ -26,7 +26,7 @@ def test_three_sites_two_ranks_weighted_mean_is_exact(tmp_path, marker):
     cfg = {
         "federation": {"name": "exact", "rounds": 2, "quorum": 3, "update_kind": "weights", "evaluate": False,
                        "data_path": {"inline_max_bytes": 1024},
-                       "deadlines": {"connect_s": 60, "round_s": 60, "trainer_start_s": 120}},
+                       "deadlines": {"connect_s": 120, "round_s": 120, "trainer_start_s": 240}},  # none waited out
         "workload": {"task": "digits", "options": {"hidden": 32, "partition": "dirichlet"}},
         "sites": [digits_site(i, n, 2, dump_updates=True) for i, n in enumerate(["paris", "frankfurt", "milan"])],
     }

@@ -48,7 +48,9 @@ def _config(directory: Path) -> Path:
         "federation": {"name": "resume", "rounds": ROUNDS, "quorum": 2, "evaluate": False, "strategy": "fedadam",
                        "codec": f"int8:clip={CLIP}", "error_feedback": True,  # the rerun rewinds the residual
                        "secagg": {"enabled": True, "threshold": 2, "clip": CLIP},
-                       "deadlines": {"connect_s": 90, "round_s": 60, "trainer_start_s": 120}},
+                       # no site drops out here: no deadline is waited out, and a loaded CI machine
+                       # once took more than the default 30 s for the resumed round's SecAgg setup
+                       "deadlines": {"connect_s": 90, "round_s": 90, "secagg_stage_s": 60, "trainer_start_s": 120}},
         "workload": {"task": "digits", "options": {"hidden": 16}},
         "sites": [{"id": name, "partition": i, **site} for i, name in enumerate(SITES)],
     })
@@ -69,7 +71,11 @@ def _kill_coordinator_in_round_2(run: Path, marker: str, proc: subprocess.Popen,
     """Wait for the ServerApp to announce (and pause in) round 2's SecAgg unmask stage, then SIGKILL
     the SuperLink's process group (SuperLink, SuperExec) and the ServerApp process; the stage's
     announcement (with the dead round's key material)."""
-    entry = wait_for_stage(hook, *KILL_AT, alive=lambda: proc.poll() is None)
+    try:
+        entry = wait_for_stage(hook, *KILL_AT, alive=lambda: proc.poll() is None)
+    except AssertionError as err:  # with what the run said
+        proc.kill()
+        raise AssertionError(f"{err}\n{proc.communicate(timeout=30)[0]}") from None
     victims = kill_coordinator(run, marker)
     assert any(b"flwr-serverapp" in cmd for _, cmd in victims), victims
     assert _rounds(run) == [1] and CheckpointStore(run / "checkpoints").rounds() == [1]  # round 2 in flight

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow(seconds=275)]
 
 TESTS = str(ROOT / "tests")
 FED = {"rounds": 2, "quorum": 2, "update_kind": "weights",
-       "deadlines": {"connect_s": 60, "round_s": 90, "evaluate_s": 60, "trainer_start_s": 150}}
+       "deadlines": {"connect_s": 120, "round_s": 180, "evaluate_s": 120, "trainer_start_s": 300}}  # none waited out
 
 
 def _env(marker: str, *paths: str) -> dict:

@@ -5,6 +5,7 @@ ClientApp imports this)."""
 from __future__ import annotations
 
 import math
+import threading
 import tokenize
 from io import BytesIO
 
@@ -43,6 +44,10 @@ _MAX_HEADER = 1 << 16  # .npy v1 headers are < 64 KiB; ours are < 200 bytes
 _MAX_DIMS = 32
 # what numpy's header parser raises on hostile text (it runs Python's tokenizer and literal_eval)
 _HEADER_ERRORS = (ValueError, TypeError, SyntaxError, EOFError, RecursionError, MemoryError, tokenize.TokenError)
+# ... and that literal_eval is not thread-safe on CPython 3.11 (gh-106905: two threads building ASTs
+# at once raise "SystemError: AST constructor recursion depth mismatch"). The coordinator parses
+# replies on several fold threads (coordinator/reply_folds.py): one header at a time.
+_HEADER_LOCK = threading.Lock()
 
 
 def parse_array(arr: Array, key: str = "", copy: bool = True) -> np.ndarray:
@@ -56,13 +61,14 @@ def parse_array(arr: Array, key: str = "", copy: bool = True) -> np.ndarray:
     data = memoryview(arr.data).cast("B")
     buf = BytesIO(data[:_header_end(data)].tobytes())  # the header only: not 64 KiB per small array
     try:
-        version = np.lib.format.read_magic(buf)
-        if version == (1, 0):
-            shape, fortran, dtype = np.lib.format.read_array_header_1_0(buf, max_header_size=_MAX_HEADER)
-        elif version == (2, 0):
-            shape, fortran, dtype = np.lib.format.read_array_header_2_0(buf, max_header_size=_MAX_HEADER)
-        else:
-            raise ValueError(f".npy version {version} (1.0 and 2.0 are read)")
+        with _HEADER_LOCK:
+            version = np.lib.format.read_magic(buf)
+            if version == (1, 0):
+                shape, fortran, dtype = np.lib.format.read_array_header_1_0(buf, max_header_size=_MAX_HEADER)
+            elif version == (2, 0):
+                shape, fortran, dtype = np.lib.format.read_array_header_2_0(buf, max_header_size=_MAX_HEADER)
+            else:
+                raise ValueError(f".npy version {version} (1.0 and 2.0 are read)")
     except _HEADER_ERRORS as err:
         raise MalformedRecord(key, f"not a .npy array ({type(err).__name__}: {str(err)[:120]})") from None
     if dtype.kind not in _ALLOWED_KINDS or dtype.hasobject or dtype.subdtype is not None:
