@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from pathlib import Path
 
 import numpy as np
@@ -51,7 +50,6 @@ def test_crash_hang_and_hostile_site(tmp_path, marker):
     }
     path = write_config(tmp_path / "faults.yaml", cfg)
     run = tmp_path / "run"
-    t0 = time.monotonic()
     proc = sovfl_popen("simulate", str(path), "--workdir", str(run), env={"SOVFL_RUN_MARKER": marker})
     try:
         metrics = run / "metrics.jsonl"
@@ -65,7 +63,6 @@ def test_crash_hang_and_hostile_site(tmp_path, marker):
     finally:
         if proc.poll() is None:
             proc.kill()
-    elapsed = time.monotonic() - t0
     assert proc.returncode == 0, out
     lines = [json.loads(x) for x in metrics.read_text().splitlines()]
     r1, r2, r3 = lines
@@ -84,7 +81,6 @@ def test_crash_hang_and_hostile_site(tmp_path, marker):
     assert "site c excluded" in out and "site hostile excluded" in out and "skipped" in out
     assert "RESULT rounds=2" in out
     assert "the Flower log stream ended but the run is running" in out
-    assert elapsed < 400
     assert live_marked(marker) == []
 
 
