@@ -188,7 +188,16 @@ def wait_metrics_line(path: Path, n: int, proc: subprocess.Popen, timeout: float
             if len(lines) >= n:
                 return [json.loads(x) for x in lines]
         if proc.poll() is not None:
-            out = proc.stdout.read() if proc.stdout is not None else ""
-            raise AssertionError(f"sovfl exited early (code {proc.returncode}) before metrics line {n}:\n{out}")
+            raise AssertionError(f"sovfl exited early (code {proc.returncode}) before metrics line {n}:\n"
+                                 + output_of(proc))
         time.sleep(0.1)
     raise AssertionError(f"no metrics line {n} within {timeout}s")
+
+
+def output_of(proc: subprocess.Popen, timeout_s: float = 10.0) -> str:
+    """What an ended `proc` wrote, for a failure message; bounded, since a process it started may
+    still hold its pipe open."""
+    try:
+        return proc.communicate(timeout=timeout_s)[0] or ""
+    except subprocess.TimeoutExpired:
+        return f"(its output did not end within {timeout_s:.0f}s: a process it started still holds it)"

@@ -29,7 +29,7 @@ import pytest
 import yaml
 
 from conftest import ROOT, as_foreground, live_marked, sovfl, sovfl_popen, write_config
-from faults import kill_coordinator, stage_entries, stage_hook_env, wait_for_stage
+from faults import kill_coordinator, output_of, stage_entries, stage_hook_env, wait_for_stage
 from faults import rounds_done as _rounds
 from federation.coordinator.checkpoint import CheckpointStore, load_checkpoint
 
@@ -75,7 +75,7 @@ def _kill_coordinator_in_round_2(run: Path, marker: str, proc: subprocess.Popen,
         entry = wait_for_stage(hook, *KILL_AT, alive=lambda: proc.poll() is None)
     except AssertionError as err:  # with what the run said
         proc.kill()
-        raise AssertionError(f"{err}\n{proc.communicate(timeout=30)[0]}") from None
+        raise AssertionError(f"{err}\n{output_of(proc)}") from None
     victims = kill_coordinator(run, marker)
     assert any(b"flwr-serverapp" in cmd for _, cmd in victims), victims
     assert _rounds(run) == [1] and CheckpointStore(run / "checkpoints").rounds() == [1]  # round 2 in flight
