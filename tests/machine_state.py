@@ -40,13 +40,17 @@ class MachineState:
 
     def start(self) -> MachineState:
         self._t0, self._cpu0 = time.monotonic(), _cpu()
+        self._read()
         threading.Thread(target=self._sample, daemon=True, name="machine-state").start()
         return self
 
+    def _read(self) -> None:
+        self.max_load = max(self.max_load, os.getloadavg()[0])
+        self.min_avail_gib = min(self.min_avail_gib, _mem_available_gib())
+
     def _sample(self) -> None:
         while not self._stop.wait(self.every_s):
-            self.max_load = max(self.max_load, os.getloadavg()[0])
-            self.min_avail_gib = min(self.min_avail_gib, _mem_available_gib())
+            self._read()
 
     def summary(self) -> str:
         self._stop.set()
