@@ -10,6 +10,11 @@ BASE=${2:?usage: deploy/build-images.sh CONTEXT BASE_IMAGE [TAG] [PYTHON]}
 TAG=${3:-latest}
 PY=${4:-python3}
 HERE=$(cd "$(dirname "$0")" && pwd)
+. "$HERE/preflight.sh"
+need buildah buildah "building the images"
+need runc runc "the build containers' runtime"
+need_podman_network
+preflight_done
 "$HERE/wheelhouse.sh" "$CONTEXT" "$PY"
 ID=$(cat "$CONTEXT/wheels.sha256")
 for target in coordinator site; do

@@ -3,6 +3,10 @@
 # `podman import`. Usage: deploy/make-base-image.sh [IMAGE] [MIRROR]
 # (default IMAGE localhost/sovfl-base:bookworm). Needs root, debootstrap and podman.
 set -eu
+. "$(cd "$(dirname "$0")" && pwd)/preflight.sh"
+need debootstrap debootstrap "the Debian root file system"
+need podman podman "importing it as an image"
+preflight_done
 IMAGE=${1:-localhost/sovfl-base:bookworm}
 MIRROR=${2:-http://deb.debian.org/debian}
 ROOTFS=$(mktemp -d /var/tmp/sovfl-base.XXXXXX)

@@ -159,3 +159,18 @@ def secagg_to_stage3(cfg, ids: list[int], length: int, run: str = "run", rnd: in
         srv.receive_setup(i, setup)
     srv.close_setup(weight_bound=weight_bound)
     return ctx, clients, srv
+
+
+@pytest.fixture
+def shaped_links():
+    """Shaped links can be built here (benchmarks/shaped_link): iproute2 installed when missing;
+    skipped, with the reason, where that or the namespaces cannot be had (not root)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from benchmarks.shaped_link import available
+    from system_packages import SHAPED_LINKS, need_packages
+
+    need_packages(SHAPED_LINKS)
+    reason = available()
+    if reason is not None:
+        pytest.skip(reason)

@@ -1,55 +1,17 @@
-"""What the deployment tests share: system packages installed on demand, a PKI for a federation,
-and cleanup that runs whatever happened.
-
-The tests install what they need with apt themselves (CI runs them on a fresh root machine);
-where that cannot be done (not root, no apt) they skip and say why. apt runs under a file lock,
-since pytest-xdist may start both deployment files at once, and only when a tool is missing.
-"""
+"""What the deployment tests share: system packages installed on demand (system_packages.py), the
+project's CLI, and cleanup that runs whatever happened."""
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from system_packages import need_packages  # noqa: F401 - the deployment tests' installer
 
 ROOT = Path(__file__).resolve().parents[1]
-LOCK = Path("/var/lock/sovfl-deploy-tests.lock")
-
-
-def _absent(cmd: str) -> bool:
-    return not Path(cmd).exists() if cmd.startswith("/") else shutil.which(cmd) is None
-
-
-def need_packages(tools: dict[str, str]) -> None:
-    """Make every command (or absolute path) of `tools` (-> its Debian package) available, installing
-    the missing packages with apt; skip the test, with the reason, where that cannot be done."""
-    missing = {cmd: pkg for cmd, pkg in tools.items() if _absent(cmd)}
-    if not missing:
-        return
-    if os.geteuid() != 0:
-        pytest.skip(f"needs root to install {sorted(set(missing.values()))} with apt (missing: {sorted(missing)})")
-    if shutil.which("apt-get") is None:
-        pytest.skip(f"no apt-get to install {sorted(set(missing.values()))} (missing: {sorted(missing)})")
-    LOCK.parent.mkdir(parents=True, exist_ok=True)
-    with open(LOCK, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another xdist worker may be installing
-        missing = {cmd: pkg for cmd, pkg in missing.items() if _absent(cmd)}
-        if not missing:
-            return
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        for argv in (["apt-get", "update", "-q"],
-                     ["apt-get", "install", "-y", "-q", *sorted(set(missing.values()))]):
-            proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=900)
-            if proc.returncode != 0:
-                pytest.fail(f"{' '.join(argv)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    still = [cmd for cmd in tools if _absent(cmd)]
-    assert not still, f"installed {sorted(set(tools.values()))} but still missing {still}"
 
 
 def sovfl_cli(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -28,6 +28,7 @@ import yaml
 
 from conftest import live_marked, sovfl_popen
 from deploy_tools import cleanup, need_packages, run, sovfl_cli
+from system_packages import SLURM
 from federation.ops.launcher import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow(seconds=200)]
@@ -89,7 +90,7 @@ def _until(what: str, check, deadline_s: float, interval_s: float = 1.0):
 @pytest.fixture
 def slurm(tmp_path):
     """A running two-node cluster: the environment its commands need (SLURM_CONF)."""
-    need_packages({"munged": "munge", "slurmctld": "slurm-wlm", "slurmd": "slurm-wlm", "sbatch": "slurm-wlm"})
+    need_packages(SLURM)
     d = tmp_path / "slurm"
     (d / "state").mkdir(parents=True)
     (d / "munge.key").write_bytes(os.urandom(1024))

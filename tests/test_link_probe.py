@@ -26,7 +26,7 @@ from federation.site.link_probe import probe
 from federation.ops.supervisor import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.shaped_link import ShapedLink, available  # noqa: E402
+from benchmarks.shaped_link import ShapedLink  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,7 @@ def _client(pki, site: str, port: int, streams: int = 4) -> BulkClient:
     return BulkClient(f"127.0.0.1:{port}", SiteBundle.load(pki / "sites" / site), streams=streams)
 
 
-@pytest.mark.skipif(available() is not None, reason=str(available()))
+@pytest.mark.usefixtures("shaped_links")
 @pytest.mark.parametrize("rate, rtt", [(100, 30), (50, 50)])
 def test_the_probe_measures_a_shaped_link_within_20_percent_of_nominal(pki, server, rate, rtt):
     with ShapedLink(rate_mbit=rate, rtt_ms=rtt) as link:

@@ -28,6 +28,7 @@ from federation.protocol.link_probe import LinkFigures
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.shaped_link import ShapedLink, available  # noqa: E402
+from system_packages import SHAPED_LINKS, install  # noqa: E402
 
 pytestmark = pytest.mark.slow(seconds=45)  # three in-process federations, one through a shaped link
 
@@ -84,7 +85,7 @@ def test_each_round_s_codec_and_steps_are_chosen_from_the_measured_links_applied
     server = BulkServer(bundle, tmp_path / "coord", f"127.0.0.1:{port}").start()
     told: dict[str, list] = {"s0": [], "s1": [], "s2": []}
     lines: list[str] = []
-    shaped = available() is None
+    shaped = install(SHAPED_LINKS) is None and available() is None  # else s1's link is plain loopback
     try:
         with (ShapedLink(rate_mbit=20, rtt_ms=20) if shaped else contextlib.nullcontext()) as link:
             s1 = f"127.0.0.1:{link.forward(('127.0.0.1', server.port))}" if shaped else f"127.0.0.1:{port}"

@@ -1,6 +1,6 @@
 """The shaped-link harness (benchmarks/shaped_link/): real namespaces, veth, tbf and the delay relay.
 
-Needs root and iproute2 (skipped otherwise, with the reason). The assertions on time are one-sided,
+Needs root (skipped otherwise, with the reason); iproute2 is installed when missing. The assertions on time are one-sided,
 so a loaded machine cannot fail them: the delay line never releases a byte early (RTT >= nominal,
 less the relay's timer resolution)
 and the token bucket never lets more through than its rate; the figures within 10% of nominal
@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.shaped_link import ShapedLink, available  # noqa: E402
+from benchmarks.shaped_link import ShapedLink  # noqa: E402
 from benchmarks.shaped_link.check import TargetServer, measure  # noqa: E402
 
-pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
+pytestmark = pytest.mark.usefixtures("shaped_links")
 
 
 def _namespaces() -> str:
