@@ -1,0 +1,51 @@
+"""MkDocs hook: the folder READMEs become pages of the site's developer section, at build time.
+
+The READMEs stay where a developer opens the folder; MkDocs can only publish files under docs_dir,
+so each one is added as a generated page (`developer/<folder>.md`) with its text unchanged. The
+list is FOLDER_READMES; tests/test_docs.py fails when a folder README exists that is not in it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mkdocs.structure.files import File
+
+# README path (relative to the repository root) -> page under docs/developer/
+FOLDER_READMES = {
+    "configs/README.md": "developer/configs.md",
+    "crypto/attestation/README.md": "developer/crypto-attestation.md",
+    "crypto/secagg/README.md": "developer/crypto-secagg.md",
+    "deploy/README.md": "developer/deploy.md",
+    "examples/README.md": "developer/examples.md",
+    "examples/compliance_sft/README.md": "developer/examples-compliance-sft.md",
+    "examples/credit-risk/README.md": "developer/examples-credit-risk.md",
+    "federation/README.md": "developer/federation.md",
+    "federation/config/README.md": "developer/federation-config.md",
+    "federation/coordinator/README.md": "developer/federation-coordinator.md",
+    "federation/ops/README.md": "developer/federation-ops.md",
+    "federation/protocol/README.md": "developer/federation-protocol.md",
+    "federation/site/README.md": "developer/federation-site.md",
+    "site_trainer/README.md": "developer/site-trainer.md",
+    "site_trainer/pii/README.md": "developer/site-trainer-pii.md",
+    "tests/fuzzing/README.md": "developer/tests-fuzzing.md",
+}
+# Files of the repository root published as they are, their links into docs/ made relative to the site
+ROOT_PAGES = {"CHANGELOG.md": "changelog.md"}
+
+
+def page_text(readme: str, root: Path) -> str:
+    """The page for one README: a line saying where it lives, then its text."""
+    text = (root / readme).read_text(encoding="utf-8")
+    return f"<!-- the text of {readme}, published by docs/hooks/folder_readmes.py -->\n\n{text}\n\n" \
+           f"*This page is `{readme}` in the repository.*\n"
+
+
+def on_files(files, config):
+    root = Path(config["config_file_path"]).resolve().parent
+    for readme, page in FOLDER_READMES.items():
+        files.append(File.generated(config, page, content=page_text(readme, root)))
+    for name, page in ROOT_PAGES.items():
+        text = (root / name).read_text(encoding="utf-8").replace("](docs/", "](")  # links into docs/ from the root
+        files.append(File.generated(config, page, content=text))
+    return files
