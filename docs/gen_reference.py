@@ -289,11 +289,12 @@ def entry_points_page() -> str:
 
 # --- reason codes --------------------------------------------------------------------------------------------
 
-CODE_CALL = re.compile(r'\b(?:UpdateRejected|Rejected|Refused|refuse)\(\s*"([a-z_]+)"')
+CODE_CALL = re.compile(r'\b\w*(?:Rejected|Refused|[Rr]efuse)\(\s*"([a-z_]+)"')
 CODE_GROUPS = [
     # (title, source folders, how the code reaches the round's `rejections`, text)
-    ("Signed and sealed updates", ["crypto/envelope.py", "federation/coordinator", "federation/protocol/envelope_layout.py",
-                                   "federation/protocol/pipeline.py", "federation/protocol/update_codec.py"],
+    ("Signed and sealed updates", ["crypto/envelope.py", "federation/coordinator",
+                                   "federation/protocol/envelope_layout.py", "federation/protocol/pipeline.py",
+                                   "federation/protocol/update_codec.py"],
      "`rejections.<code>`",
      "An update whose envelope, signature, seal or tensors fail a check is refused, counted under its code "
      "in the round's `rejections`, and the round goes on with the other sites."),
@@ -333,17 +334,20 @@ def _codes_in(path: Path) -> dict[str, str]:
 
 
 def reason_codes() -> dict[str, dict[str, str]]:
-    """Group title -> {code: where}, each code once per group."""
-    out: dict[str, dict[str, str]] = {}
+    """Group title -> {code: where}. A file named by a group itself belongs to that group; a folder's other
+    files belong to the group naming the folder."""
+    named = {source: title for title, sources, _, _ in CODE_GROUPS for source in sources if (ROOT / source).is_file()}
+    out: dict[str, dict[str, str]] = {title: {} for title, _, _, _ in CODE_GROUPS}
     for title, sources, _, _ in CODE_GROUPS:
-        codes: dict[str, str] = {}
         for source in sources:
             base = ROOT / source
             for path in sorted([base] if base.is_file() else base.rglob("*.py")):
+                owner = named.get(path.relative_to(ROOT).as_posix(), title)
+                if owner != title:
+                    continue
                 for code, where in _codes_in(path).items():
-                    codes.setdefault(code, where)
-        out[title] = dict(sorted(codes.items()))
-    return out
+                    out[title].setdefault(code, where)
+    return {title: dict(sorted(codes.items())) for title, codes in out.items()}
 
 
 def reason_codes_page() -> str:

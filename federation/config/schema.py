@@ -115,7 +115,8 @@ class FederationConfig(StrictModel):
     codec: str = Field("identity", description="update codec spec, e.g. 'topk:0.01+int8' (see configs/README.md)")
     error_feedback: bool = Field(True, description="keep what a lossy codec did not send, per site, for the next round")
     secagg: SecAggConfig = Field(SecAggConfig(enabled=False), description="SecAgg+ secure aggregation: the "
-                                 "coordinator learns only the weighted sum of the sites' updates (crypto/secagg/README.md)")
+                                 "coordinator learns only the weighted sum of the sites' updates "
+                                 "(crypto/secagg/README.md)")
     seal: bool = Field(False, description="seal every update to the coordinator's (attested) key")
     attestation: AttestationConfig = Field(AttestationConfig(), description="attested admission of sites before "
                                            "each round and appraisal of the coordinator by the sites")
