@@ -92,3 +92,11 @@ def test_readme_links_resolve():
     targets = [t.split("#")[0] for t in re.findall(r"\]\(([^)]+)\)", text) if "://" not in t]
     missing = [t for t in targets if t and not (ROOT / t).exists()]
     assert targets and missing == []
+
+
+def test_folder_readme_links_work_on_the_site():
+    hooks = _load(ROOT / "docs" / "hooks" / "folder_readmes.py", "folder_readmes")
+    text = "See [the schema](../config/README.md#fields), [code](driver.py) and [web](https://example.org)."
+    assert hooks.site_links(text, "federation/coordinator/README.md") == (
+        "See [the schema](federation-config.md#fields), code (`federation/coordinator/driver.py`) and "
+        "[web](https://example.org).")

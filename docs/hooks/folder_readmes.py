@@ -2,11 +2,15 @@
 
 The READMEs stay where a developer opens the folder; MkDocs can only publish files under docs_dir,
 so each one is added as a generated page (`developer/<folder>.md`) with its text unchanged. The
-list is FOLDER_READMES; tests/test_docs.py fails when a folder README exists that is not in it.
+list is FOLDER_READMES; tests/test_docs.py fails when a folder README exists that is not in it. A README's
+relative links point into the repository, not the site: they become links to the published page of
+another README, or the path as code.
 """
 
 from __future__ import annotations
 
+import posixpath
+import re
 from pathlib import Path
 
 from mkdocs.structure.files import File
@@ -34,9 +38,29 @@ FOLDER_READMES = {
 ROOT_PAGES = {"CHANGELOG.md": "changelog.md"}
 
 
+LINK = re.compile(r"\[([^\]]+)\]\((?!https?://|mailto:|#)([^)\s]+)\)")
+
+
+def site_links(text: str, readme: str) -> str:
+    """Relative links of a README made to work on the site: to another published README, its page;
+    to any other file of the repository (not part of the site), the path as code."""
+    here = posixpath.dirname(readme)
+
+    def one(match: re.Match) -> str:
+        label, target = match.groups()
+        path, _, anchor = target.partition("#")
+        resolved = posixpath.normpath(posixpath.join(here, path))
+        page = FOLDER_READMES.get(resolved) or FOLDER_READMES.get(posixpath.join(resolved, "README.md"))
+        if page:
+            return f"[{label}]({posixpath.basename(page)}{'#' + anchor if anchor else ''})"
+        return f"{label} (`{resolved}`)"
+
+    return LINK.sub(one, text)
+
+
 def page_text(readme: str, root: Path) -> str:
     """The page for one README: a line saying where it lives, then its text."""
-    text = (root / readme).read_text(encoding="utf-8")
+    text = site_links((root / readme).read_text(encoding="utf-8"), readme)
     return f"<!-- the text of {readme}, published by docs/hooks/folder_readmes.py -->\n\n{text}\n\n" \
            f"*This page is `{readme}` in the repository.*\n"
 
