@@ -58,9 +58,33 @@ def site_links(text: str, readme: str) -> str:
     return LINK.sub(one, text)
 
 
+LIST_ITEM = re.compile(r"^( *)(?:[-*+]|\d+\.) ")
+
+
+def python_markdown_lists(text: str) -> str:
+    """Lists as Python-Markdown reads them, from text written for GitHub: a list right after a
+    paragraph line gets the blank line before it, and items nested by 2 or 3 spaces are indented
+    by 4 (Python-Markdown's nesting step). Fenced code is left alone."""
+    out: list[str] = []
+    fenced = False
+    for line in text.split("\n"):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        item = None if fenced else LIST_ITEM.match(line)
+        if item:
+            depth = len(item.group(1))
+            if 0 < depth < 4:
+                line = "    " + line.lstrip(" ")
+            prev = out[-1] if out else ""
+            if prev.strip() and not prev.startswith((" ", "\t")) and not LIST_ITEM.match(prev) and depth == 0:
+                out.append("")
+        out.append(line)
+    return "\n".join(out)
+
+
 def page_text(readme: str, root: Path) -> str:
     """The page for one README: a line saying where it lives, then its text."""
-    text = site_links((root / readme).read_text(encoding="utf-8"), readme)
+    text = python_markdown_lists(site_links((root / readme).read_text(encoding="utf-8"), readme))
     return f"<!-- the text of {readme}, published by docs/hooks/folder_readmes.py -->\n\n{text}\n\n" \
            f"*This page is `{readme}` in the repository.*\n"
 
@@ -71,5 +95,6 @@ def on_files(files, config):
         files.append(File.generated(config, page, content=page_text(readme, root)))
     for name, page in ROOT_PAGES.items():
         text = (root / name).read_text(encoding="utf-8").replace("](docs/", "](")  # links into docs/ from the root
+        text = python_markdown_lists(text)
         files.append(File.generated(config, page, content=text))
     return files
