@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-hf test soak install clean
+.PHONY: demo demo-hf test soak docs install clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,12 @@ test: $(STAMP)
 	$(PY) -c 'from federation.ops.bytecode import ensure_compiled; ensure_compiled()'  # for processes tests start themselves
 	FLWR_TELEMETRY_ENABLED=0 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests
 
+# The documentation site into site/ (open site/index.html): the reference pages regenerated from the
+# code first (docs/gen_reference.py), then a strict build (a warning, e.g. a broken link, fails it).
+docs: $(STAMP)
+	$(PY) docs/gen_reference.py
+	$(VENV)/bin/mkdocs build --strict --site-dir site
+
 # Long runs. Fuzzing: 100,000 generated inputs per decoder of another party's bytes
 # (tests/fuzzing/README.md); FUZZ_ARGS passes options, e.g. FUZZ_ARGS="--inputs 1000 envelope-blob".
 # Fault injection: 20 seeded SIGKILLs (coordinator, SuperNodes, trainer ranks) over a 15-round 3-site SecAgg+ digits run
@@ -37,4 +43,4 @@ soak: $(STAMP)
 	FLWR_TELEMETRY_ENABLED=0 $(PY) tests/fault_soak.py $(FAULT_ARGS)
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache site

@@ -24,7 +24,7 @@ memory beside it.
     python benchmarks/coordinator_memory.py --params 101000000 --secagg
 Last line: RESULT params=<P> coordinator_peak_ratio=<..> inmemory_ratio=<..> secagg_peak_ratio=<..> secagg_inmemory_ratio=<..>
 
-Measured 2026-11-26 (2 cores, load 6-10), P = 101M: see README.md ("Whole runs").
+Measured 2026-11-26 (2 cores, load 6-10), P = 101M: see docs/benchmarks/large_update.md ("Whole runs").
 """
 
 from __future__ import annotations

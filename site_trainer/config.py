@@ -101,18 +101,19 @@ class WorkloadConfig(StrictModel):
 class SiteConfig(StrictModel):
     """One sovereign site: a local trainer pool of `ranks` processes per node joined as one client."""
 
-    id: str = Field(pattern=r"^[A-Za-z0-9_-]+$")
+    id: str = Field(pattern=r"^[A-Za-z0-9_-]+$", description="the site's name: its PKI bundle, `sovfl site --site`, "
+                    "the metrics")
     ranks: int = Field(1, ge=1, le=64, description="trainer processes per node (one per GPU)")
-    backend: Literal["gloo", "nccl"] = "gloo"
+    backend: Literal["gloo", "nccl"] = Field("gloo", description="torch.distributed backend: gloo (CPU) or nccl (GPUs)")
     partition: int = Field(ge=0, description="index of this site's data partition")
     workload_options: dict[str, Any] = Field(
         default_factory=dict, description="this site's workload options (e.g. its data paths), merged over "
                                           "workload.options (nested mappings merged key by key)")
-    local_steps: int = Field(10, ge=1)
+    local_steps: int = Field(10, ge=1, description="optimizer steps per round (round_target_s may choose others)")
     batch_size: int = Field(32, ge=1, description="per rank, per micro-batch")
-    lr: float = Field(0.05, gt=0)
-    grad_accum: int = Field(1, ge=1)
-    optimizer: Literal["sgd", "adamw"] = "sgd"
+    lr: float = Field(0.05, gt=0, description="the local (inner) optimizer's learning rate")
+    grad_accum: int = Field(1, ge=1, description="micro-batches accumulated per optimizer step")
+    optimizer: Literal["sgd", "adamw"] = Field("sgd", description="the local (inner) optimizer")
     weight_decay: float = Field(0.0, ge=0, description="decoupled weight decay (AdamW) or L2 (SGD)")
     warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warm-up from 0 to lr")
     lr_schedule: Literal["constant", "cosine"] = Field(

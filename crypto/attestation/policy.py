@@ -21,17 +21,20 @@ class Policy(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    # claim name -> allowed values (hex compared case-insensitively); each listed claim must be present.
-    allowed_measurements: dict[str, list[str]] = Field(default_factory=dict)
-    require_measurements: bool = True  # an empty allowlist admits nothing unless this is False
-    forbid_debug: bool = True
-    require_debug_claim: bool = True  # evidence silent on debug state counts as debug
-    max_token_age_s: float = Field(300.0, gt=0)
-    clock_skew_s: float = Field(60.0, ge=0, le=600)
-    require_nonce: bool = True
-    require_key_binding: bool = True
-    allowed_verifiers: list[str] | None = None  # None: any registered
-    allow_insecure_dev: bool = False
+    allowed_measurements: dict[str, list[str]] = Field(default_factory=dict, description="claim name -> allowed "
+                                                       "values (hex compared case-insensitively); each listed claim "
+                                                       "must be present")
+    require_measurements: bool = Field(True, description="an empty allowlist admits nothing unless this is false")
+    forbid_debug: bool = Field(True, description="refuse evidence of a debug-enabled TEE")
+    require_debug_claim: bool = Field(True, description="evidence silent on debug state counts as debug")
+    max_token_age_s: float = Field(300.0, gt=0, description="oldest attestation result accepted, in seconds")
+    clock_skew_s: float = Field(60.0, ge=0, le=600, description="clock difference tolerated on token times")
+    require_nonce: bool = Field(True, description="the result must bind the relying party's fresh nonce")
+    require_key_binding: bool = Field(True, description="the evidence must bind the party's registered public key")
+    allowed_verifiers: list[str] | None = Field(None, description="verifiers whose results count; unset: any "
+                                                "registered")
+    allow_insecure_dev: bool = Field(False, description="accept the insecure-dev verifier (tests only; no hardware "
+                                     "root of trust)")
 
     def evaluate(
         self,

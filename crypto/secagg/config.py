@@ -45,17 +45,27 @@ class SecAggConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    enabled: bool = True
-    threshold: int | float = 0.5
-    neighbours: Literal["auto"] | int = "auto"
-    clip: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)
-    bits: int | None = Field(default=None, ge=ring.MIN_BITS, le=ring.MAX_BITS)
-    max_weight: int = Field(default=1000, ge=1)
-    chunk_bytes: int = Field(default=4 * MiB, ge=16, le=64 * MiB, multiple_of=16)
-    security_bits: int = Field(default=40, ge=1, le=128)
-    correctness_bits: int = Field(default=20, ge=1, le=128)
-    corrupt_fraction: float = Field(default=0.1, ge=0.0, lt=1.0)
-    dropout_fraction: float = Field(default=0.1, ge=0.0, lt=1.0)
+    enabled: bool = Field(default=True, description="mask every update with SecAgg+")
+    threshold: int | float = Field(default=0.5, description="shares needed to rebuild a secret: an int t >= 2, or a "
+                                   "fraction in (0, 1] of the k + 1 shares each secret is split into (rounded up, "
+                                   "at least 2)")
+    neighbours: Literal["auto"] | int = Field(default="auto", description="each site's degree k in the masking graph; "
+                                              "auto: sized from the security target")
+    clip: float = Field(default=1.0, gt=0.0, allow_inf_nan=False, description="inputs are clipped to [-clip, clip] "
+                        "before encoding (the same at every site)")
+    bits: int | None = Field(default=None, ge=ring.MIN_BITS, le=ring.MAX_BITS, description="ring Z_{2^bits}; masked "
+                             "values travel packed at bits bits each; unset: chosen per round")
+    max_weight: int = Field(default=1000, ge=1, description="largest integer weight (sample count) a site may give "
+                            "its update; a smaller bound narrows the ring")
+    chunk_bytes: int = Field(default=4 * MiB, ge=16, le=64 * MiB, multiple_of=16, description="about the size of a "
+                             "masked chunk on the wire")
+    security_bits: int = Field(default=40, ge=1, le=128, description="sigma of the degree rule (statistical security)")
+    correctness_bits: int = Field(default=20, ge=1, le=128, description="eta of the degree rule (failure "
+                                  "probability 2^-eta)")
+    corrupt_fraction: float = Field(default=0.1, ge=0.0, lt=1.0, description="gamma of the degree rule: the share "
+                                    "of sites assumed to collude with the coordinator")
+    dropout_fraction: float = Field(default=0.1, ge=0.0, lt=1.0, description="delta of the degree rule: the share of "
+                                    "sites that may drop out")
 
     @field_validator("threshold")
     @classmethod

@@ -28,23 +28,25 @@ class AttesterSpec(StrictModel):
     `sovereign_fl.attesters` plug-in (TDX, ...), or for tests and demos `insecure-dev`,
     `local-token`, `nras-test`, `amd-sev-snp-fake` (crypto/attestation/README.md)."""
 
-    kind: str
-    config: dict[str, Any] = Field(default_factory=dict)
+    kind: str = Field(description="the attester's name (entry point of group sovereign_fl.attesters)")
+    config: dict[str, Any] = Field(default_factory=dict, description="the attester's own settings")
 
 
 class Appraisal(StrictModel):
     """How a relying party appraises its peer: verifier plug-ins by evidence format, then policy."""
 
-    verifiers: dict[str, dict[str, Any]] = Field(default_factory=dict)
-    policy: Policy = Field(default_factory=Policy)
+    verifiers: dict[str, dict[str, Any]] = Field(default_factory=dict, description="verifier name (entry point of "
+                                                 "group sovereign_fl.verifiers) -> its settings")
+    policy: Policy = Field(default_factory=Policy, description="what the appraised party's attestation result must "
+                           "show")
 
 
 class SiteAttestation(StrictModel):
     """One site: how it attests itself, and whether and how it appraises the coordinator."""
 
-    attester: AttesterSpec | None = None
+    attester: AttesterSpec | None = Field(None, description="how this site produces its evidence")
     verify_coordinator: bool = Field(True, description="release updates only to an attested coordinator")
-    coordinator: Appraisal = Field(default_factory=Appraisal)
+    coordinator: Appraisal = Field(default_factory=Appraisal, description="how this site appraises the coordinator")
 
     @model_validator(mode="after")
     def _complete(self) -> "SiteAttestation":
@@ -59,18 +61,20 @@ class SiteAttestation(StrictModel):
 class CoordinatorAttestation(StrictModel):
     """The coordinator: how it attests itself (binding its sealing key) and appraises sites."""
 
-    attester: AttesterSpec | None = None
-    sites: Appraisal = Field(default_factory=Appraisal)
+    attester: AttesterSpec | None = Field(None, description="how the coordinator produces its evidence (bound to "
+                                          "its sealing key)")
+    sites: Appraisal = Field(default_factory=Appraisal, description="how the coordinator appraises site evidence")
 
 
 class AttestationConfig(StrictModel):
     """`federation.attestation`: admission of sites before each round, appraisal of the coordinator by sites."""
 
-    enabled: bool = False
+    enabled: bool = Field(False, description="attest sites before each round and the coordinator to the sites")
     dev_issuer: bool = Field(False, description="sovfl simulate only: a local test token issuer fills every unset "
                              "attester, verifier and measurement allowlist (proves nothing about hardware)")
     stage_s: float = Field(60.0, gt=0, description="deadline of each attestation exchange")
-    coordinator: CoordinatorAttestation = Field(default_factory=CoordinatorAttestation)
+    coordinator: CoordinatorAttestation = Field(default_factory=CoordinatorAttestation, description="the "
+                                                "coordinator's attester and its appraisal of sites")
     site: dict[str, Any] = Field(default_factory=dict, description="every site's SiteAttestation settings")
     site_overrides: dict[str, dict[str, Any]] = Field(default_factory=dict, description="per-site settings laid over "
                                                        "`site` (attester, verify_coordinator, coordinator)")

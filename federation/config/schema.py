@@ -95,9 +95,10 @@ class FederationConfig(StrictModel):
     update_kind: Literal["weights", "delta"] = Field("delta", description="what sites send back")
     server_lr: float | None = Field(None, gt=0, description="default: 1.0 for fedavg, 0.7 for diloco, "
                                     "0.05 for fedadam/fedyogi")
-    server_beta1: float = Field(0.9, ge=0, lt=1)
-    server_beta2: float = Field(0.99, ge=0, lt=1)
-    server_tau: float = Field(1e-3, gt=0)
+    server_beta1: float = Field(0.9, ge=0, lt=1, description="fedadam/fedyogi: decay of the first moment")
+    server_beta2: float = Field(0.99, ge=0, lt=1, description="fedadam/fedyogi: decay of the second moment")
+    server_tau: float = Field(1e-3, gt=0, description="fedadam/fedyogi: the adaptivity (added to the root of "
+                              "the second moment)")
     server_momentum: float | None = Field(None, ge=0, lt=1, description="diloco only: the outer momentum "
                                           "(default 0.9, DiLoCo's)")
     server_nesterov: bool | None = Field(None, description="diloco only: Nesterov momentum (default true, "
@@ -110,12 +111,15 @@ class FederationConfig(StrictModel):
         "times the answered round's local_steps; 1 (default): stop at local_steps, as before. Above 1 a "
         "round may hold more steps than local_steps (how many depends on the link's timing)"))
     seed: int = Field(0, description="sampling, round seeds of shared-seed codecs, downlink steps")
-    deadlines: Deadlines = Deadlines()
+    deadlines: Deadlines = Field(Deadlines(), description="every wait's deadline, in seconds")
     codec: str = Field("identity", description="update codec spec, e.g. 'topk:0.01+int8' (see configs/README.md)")
     error_feedback: bool = Field(True, description="keep what a lossy codec did not send, per site, for the next round")
-    secagg: SecAggConfig = SecAggConfig(enabled=False)
+    secagg: SecAggConfig = Field(SecAggConfig(enabled=False), description="SecAgg+ secure aggregation: the "
+                                 "coordinator learns only the weighted sum of the sites' updates "
+                                 "(crypto/secagg/README.md)")
     seal: bool = Field(False, description="seal every update to the coordinator's (attested) key")
-    attestation: AttestationConfig = AttestationConfig()
+    attestation: AttestationConfig = Field(AttestationConfig(), description="attested admission of sites before "
+                                           "each round and appraisal of the coordinator by the sites")
     downlink_codec: str = Field("identity", description="codec of the global model sent to sites, e.g. 'int8' "
                                 "(configs/README.md); any codec, also with secagg; identity: dense")
     checkpoint_keep: int = Field(3, ge=1, description="coordinator checkpoints kept on disk (one per round; "
@@ -213,9 +217,10 @@ class FederationConfig(StrictModel):
 class ExperimentConfig(StrictModel):
     """A whole run: federation, workload and sites (the unit `sovfl simulate` takes)."""
 
-    federation: FederationConfig = FederationConfig()
-    workload: WorkloadConfig = WorkloadConfig()
-    sites: list[SiteConfig] = Field(min_length=1)
+    federation: FederationConfig = Field(FederationConfig(), description="what the coordinator runs")
+    workload: WorkloadConfig = Field(WorkloadConfig(), description="the model, data and loop every site trains "
+                                     "(default: the digits task)")
+    sites: list[SiteConfig] = Field(min_length=1, description="the sites, one entry each")
 
     @model_validator(mode="after")
     def _consistent(self) -> "ExperimentConfig":

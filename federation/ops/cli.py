@@ -227,7 +227,7 @@ def _start_node_pool(sup, site, cfg, node_rank: int, deadline: float, last: dict
 def _command(sub, name: str, help: str, fn, workdir_help: str) -> argparse.ArgumentParser:
     """A subcommand taking a configuration file, --workdir and --insecure."""
     p = sub.add_parser(name, help=help)
-    p.add_argument("config")
+    p.add_argument("config", help="the federation's YAML configuration file")
     p.add_argument("--workdir", help=workdir_help)
     p.add_argument("--insecure", action="store_true", help="no TLS and no SuperNode authentication (debug only)")
     p.set_defaults(fn=fn)
@@ -241,14 +241,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     v = sub.add_parser("validate", help="check a configuration file and exit")
-    v.add_argument("config")
+    v.add_argument("config", help="the YAML configuration file to check")
     v.set_defaults(fn=cmd_validate)
 
     s = _command(sub, "simulate", "run a whole federation on loopback with real processes", cmd_simulate,
                  "where logs, checkpoints and metrics go (default: runs/NAME-TIME)")
 
     pv = sub.add_parser("provision", help="create the federation CA and one key bundle per party")
-    pv.add_argument("out_dir")
+    pv.add_argument("out_dir", help="where the CA and the bundles go (OUT_DIR/coordinator, OUT_DIR/sites/NAME)")
     pv.add_argument("--site", action="append", required=True, help="a site name (repeat for each site)")
     pv.add_argument("--coordinator", default="coordinator", help="the coordinator's name")
     pv.add_argument("--host", action="append", default=None,
@@ -260,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = _command(sub, "coordinator", "run the SuperLink and the federation on this machine", cmd_coordinator,
                  "logs, checkpoints and metrics (default: runs/NAME-coordinator)")
     c.add_argument("--host", default="0.0.0.0", help="address the sites reach (default: all interfaces)")
-    c.add_argument("--port", type=int, default=9092)
+    c.add_argument("--port", type=int, default=9092, help="the SuperLink's port the sites connect to")
     c.add_argument("--data-port", type=int, default=None,
                    help="the data path's port (models and updates beside Flower, mutual TLS; default: --port + 1; "
                         "0: off, everything through Flower)")

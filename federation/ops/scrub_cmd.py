@@ -23,7 +23,7 @@ from site_trainer.config import SiteConfig, merge_options
 def add_parser(sub) -> None:
     """Register `sovfl scrub` on the CLI's subparsers."""
     p = sub.add_parser("scrub", help="scrub a site's text of PII and review the report, before training")
-    p.add_argument("config")
+    p.add_argument("config", help="the federation's YAML configuration file")
     p.add_argument("--site", required=True, help="the site whose text to scrub (its id in the configuration)")
     p.add_argument("--dry-run", action="store_true", help="write nothing but the report (no scrubbed cache)")
     p.add_argument("--workdir", help="the site's workdir, as given to `sovfl site` (default: runs/NAME-site-ID); "

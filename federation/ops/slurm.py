@@ -175,7 +175,8 @@ def cmd_slurm_script(args) -> int:
 def add_parser(sub) -> None:
     """Register `sovfl slurm-script` on the CLI's subparsers."""
     p = sub.add_parser("slurm-script", help="write the sbatch script that runs a multi-node site under Slurm")
-    p.add_argument("config")
+    p.add_argument("config", help="the federation's YAML configuration file (the site's entry gives nnodes and "
+                   "rdzv_endpoint)")
     p.add_argument("--site", required=True, help="the site's id in the configuration")
     p.add_argument("--superlink", required=True, help="the coordinator's HOST:PORT")
     p.add_argument("--bundle", required=True, help="the site's provisioned bundle, readable on node 0")
