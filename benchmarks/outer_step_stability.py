@@ -15,8 +15,13 @@ What differs from a deployment: one process, no Flower, no masks (SecAgg+ sums m
 that decode to the same sum; masks do not change values), the downlink is exact. It measures the
 algorithm, not time. `max_rise` is the largest round-to-round rise of the global eval loss (in %).
 
-    python benchmarks/outer_step_stability.py --rounds 10 --local-steps 60
-Last line: RESULT worst_default_rise=<%> worst_chosen_rise=<%> ...
+    python benchmarks/outer_step_stability.py --rounds 10 --local-steps 60 --text-kb 60 --also-text-kb 900
+
+Settings: `lr/momentum` (Nesterov; 0.7/0.9 is DiLoCo's, 0.7/0.5 the schema's default), `avg` (outer lr 1,
+no momentum: plain averaging of the deltas), `no-overlap` (0.7/0.9 without overlap), `dense` (0.7/0.9,
+the delta uncompressed). Each run prints a JSON line (eval loss per round, the sites' mean training
+loss, the passes over a site's training text); last line:
+    RESULT max_rise_pct[<setting>@<kB>]=<..> ...
 """
 
 from __future__ import annotations
