@@ -243,22 +243,30 @@ def flower_breakdown(fl: dict, model_bytes: int, rate_mbit: float, rtt_ms: float
     return out
 
 
-def ours_breakdown(ours: dict) -> list[dict]:
+def ours_breakdown(ours: dict, rate_mbit: float, rtt_ms: float) -> list[dict]:
     """Our rounds from their metrics lines: wall split into training (the slowest site's trainer seconds
     inside the round's calls), transfer (its data-path transfers, down and up) and fixed cost (the
-    rest); also the seconds trained in the background (overlap: hidden behind the transfer) and the
+    rest; where the updates travelled inline in Flower's messages, not on the data path, the nominal time
+    of the slowest site's bytes up and its share of the bytes down, plus a round trip each way); also the
+    seconds trained in the background (overlap: hidden behind the transfer) and the
     per-message cost (timing.message_cost: launch, startup, handler, return; the slowest site)."""
     out = []
     for m in ours["lines"]:
         sites = m.get("sites") or {}
         cost = (m.get("timing") or {}).get("message_cost") or {}
         worst = max(cost.values(), key=lambda c: c.get("total_s", 0.0), default={})
-        transfer = max((v.get("bulk_down_s", 0.0) + v.get("bulk_up_s", 0.0) for v in sites.values()), default=0.0)
+        measured = any("bulk_up_s" in v or "bulk_down_s" in v for v in sites.values())
+        if measured:
+            transfer = max((v.get("bulk_down_s", 0.0) + v.get("bulk_up_s", 0.0) for v in sites.values()), default=0.0)
+        else:
+            down = (m.get("bytes_down") or 0) / max(1, len(sites))
+            transfer = max(((v.get("upload_bytes") or 0.0) + down for v in sites.values()), default=0.0) * 8 / (
+                rate_mbit * 1e6) + 2 * rtt_ms / 1e3
         training = max((v.get("train_call_s") or 0.0 for v in sites.values()), default=0.0)
         out.append({
             "round": m["round"], **split_breakdown(m.get("round_s") or 0.0, training, transfer),
             "local_steps": (m.get("round_plan") or {}).get("local_steps"),
-            "codec": (m.get("round_plan") or {}).get("codec"),
+            "codec": (m.get("round_plan") or {}).get("codec"), "transfer": "measured" if measured else "nominal",
             "background_s": round(max((v.get("background_s") or 0.0 for v in sites.values()), default=0.0), 2),
             "idle_fraction": round(max((v.get("idle_fraction") or 0.0 for v in sites.values()), default=0.0), 3),
             "stages_s": {st["stage"]: st["seconds"] for st in (m.get("timing") or {}).get("stages", [])},
@@ -404,7 +412,7 @@ def run_link(workdir: Path, model_dir: Path, n_params: int, rate: float, rtt: fl
                   f"{b['training_s']}s (slowest site's train + eval loops) + transfer {b['transfer_s']}s (nominal) "
                   f"+ fixed {b['fixed_s']}s", flush=True)
     if ours:
-        ours["breakdown"] = ours_breakdown(ours)
+        ours["breakdown"] = ours_breakdown(ours, rate, rtt)
         for b in ours["breakdown"]:
             print(f"# ours {key} round {b['round']}: {json.dumps(b)}", flush=True)
         ours.pop("lines", None)
