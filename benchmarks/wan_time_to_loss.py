@@ -150,7 +150,8 @@ def build_inputs(workdir: Path, args) -> tuple[Path, int, dict]:
     # each site its own region of the stdlib text: 8 train files and 1 validation file
     text = hf_models.stdlib_text(max_bytes=SITES * per_site + 1000)
     if len(text) < SITES * per_site:
-        raise SystemExit(f"the stdlib text gives {len(text)} bytes, fewer than {SITES * per_site}; lower --text-kb")
+        raise SystemExit(f"the stdlib text gives {len(text)} bytes, fewer than {SITES * per_site}: lower --text-kb, "
+                         "or (with --text-kb 0) raise --max-passes or run fewer rounds or local steps")
     for s in range(SITES):
         chunk = text[s * per_site:(s + 1) * per_site]
         cut = int(len(chunk) * 0.9)
