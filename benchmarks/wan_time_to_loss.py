@@ -3,41 +3,63 @@
 One run, side by side, per link (RATE/RTT, Mbit/s / ms; default 100/30 and 1000/10):
   (a) Flower: `flwr run` of benchmarks/flower_hf_fedavg_app: flwr.serverapp.strategy.FedAvg as
       shipped (train, then evaluate, every round) and a transformers ClientApp that fine-tunes the
-      model the way Flower's examples do (every weight, a fresh AdamW each round, `--local-steps`
-      steps of `--batch` sequences, every weight back as float32);
+      model the way Flower's examples do (every weight, a fresh AdamW each round, local steps of
+      `--batch` sequences, every weight back as float32), once per local-step setting in
+      `--flower-local-steps` (default 5, 30 and ours' step cap `--max-local-steps`), each `--rounds` rounds;
   (b) ours: `sovfl simulate`'s code (launcher.simulate) on the hf-causal-lm task, full fine-tuning,
-      SecAgg+ on, `strategy: diloco` (outer Nesterov, lr 0.7, momentum 0.9), compressed
+      SecAgg+ on, `strategy: diloco` (outer Nesterov at the schema's defaults), compressed
       pseudo-gradients with error feedback, `overlap: true`, and `round_target_s` choosing each
-      round's codec and local steps from the link probe's figures (the sites start at `--local-steps`).
+      round's codec and local steps from the link probe's figures (the sites start at `--local-steps`),
+      for a budget of `--ours-rounds` rounds.
 Both: 3 sites (one rank each), the same Llama-style model built here from a config (random weights,
 `--embd`, `--layers`, a byte-level BPE tokenizer trained on stdlib text), the same per-site split of
-Python standard-library sources (train/ and val/ files per site), the same batch size, inner lr and
-starting local steps; both deployments are real (SuperLink, one SuperNode per site, TLS, SuperNode
+Python standard-library sources (train/ and val/ files per site), the same batch size and inner lr;
+both deployments are real (SuperLink, one SuperNode per site, TLS, SuperNode
 authentication). Each site's every connection to the coordinator (its SuperNode's to the SuperLink;
 ours: also its data path) goes through its own ShapedLink (benchmarks/shaped_link: namespaces, tbf,
 a delay line), checked with check(link) within 10% of nominal before use (the run stops otherwise).
 
-Target loss: the eval loss Flower's FedAvg reaches after its last round (the sites' validation text,
-weighted by sequences, on the global model). Time to it: wall-clock seconds from the moment the
-federation starts (Flower: the ServerApp calls strategy.start; ours: every site trainer is ready and
-the SuperNodes start) to the first evaluation at or below it, as the coordinator knows it (Flower:
-its strategy's aggregate_evaluate; ours: the driver's line saying every site of round r+1 has
-evaluated round r's model, which the sites report on the data path before their local steps
-(coordinator/evaluation.py EvalAnnouncer), else the round's metrics line; the final evaluation with
-the last). If ours never reaches it, ours_s is `inf`.
+Data: each site gets its own region of the stdlib sources, sized (`--text-kb 0`, the default) so that
+the run that reads most (Flower's largest setting, or ours at its step cap for its round budget)
+passes over a site's training text at most `--max-passes` times (default 1): a target set on a
+data-limited plateau, where overfitting noise decides, measures nothing. The report's `data` says
+the size, the tokenizer's bytes per token and the passes.
+
+Target loss and anchor (benchmarks/_time_to_loss.py): the target is the lowest eval loss any Flower
+setting reaches in its run (the sites' validation text, weighted by sequences, on the global model);
+the anchor is the setting first at or below it, and every setting's best loss and time to the target
+are reported (`anchor` in the report). Time to the target, on both sides: wall-clock seconds from the
+moment the federation starts (Flower: the ServerApp calls strategy.start; ours: every site trainer
+is ready and the SuperNodes start) to the FIRST evaluation at or below it, whatever the curve does
+after, as the coordinator knows it (Flower: its strategy's aggregate_evaluate; ours: the driver's
+line saying every site of round r+1 has evaluated round r's model, which the sites report on the
+data path before their local steps (coordinator/evaluation.py EvalAnnouncer), else the round's
+metrics line; the final evaluation with the last). If ours never reaches it, ours_s is `inf`. Ours
+runs its whole round budget (the coordinator has no stop-at-loss); only the first crossing counts.
 The same run also gives `held_*`: each evaluated model placed when the coordinator had it (Flower:
 its round's fit aggregated; ours: its round's metrics line), not when its loss was known: ours
 evaluates a model on the next round's train message, after that round's steps, where Flower spends
 a separate evaluate message round on it; `held_speedup` compares the systems' training alone.
-Bytes up: Flower: the train replies' array bytes; ours: the metrics lines' bytes_up (everything
-the sites sent the coordinator in the rounds, record headers included), both summed over the run.
+Bytes up: Flower (the anchor setting): the train replies' array bytes; ours: the metrics lines'
+bytes_up (everything the sites sent the coordinator in the rounds, record headers included), both
+summed over the run. Every round of every run is split into training, transfer and fixed cost
+(`breakdown`); curves.csv has every curve against seconds and rounds; `ours_max_rise_pct` is the
+largest rise of ours' eval loss from one evaluation to the next.
 
-Needs root (network namespaces, tc). Not part of `make test`. The run measured at the issue's size
-(28,131,840 parameters, 112.5 MB float32), each link in its own invocation (--links 100/30, then
---links 1000/10):
+Needs root (network namespaces, tc). Not part of `make test`. The issue's size (28,131,840 parameters, 112.5 MB float32), every Flower setting and
+enough text:
+
+    python benchmarks/wan_time_to_loss.py --links 100/30 --embd 512 --layers 8 --vocab 8192 --seq-len 64 \
+        --batch 4 --local-steps 30 --rounds 8 --flower-local-steps 5,30,{H} --ours-rounds 10 \
+        --max-local-steps 60 --round-target-s 60
+
+The figures below were measured before the rules above (Flower at 5 local steps only, timed at its
+last round; 60 kB of text per site, a data-limited plateau), with this command, each link in its
+own invocation (--links 100/30, then --links 1000/10):
 
     python benchmarks/wan_time_to_loss.py --embd 512 --layers 8 --vocab 8192 --seq-len 64 --batch 4 \
-        --local-steps 5 --rounds 8 --ours-rounds 5 --max-local-steps 60 --round-target-s 60 --text-kb 60
+        --local-steps 5 --rounds 8 --ours-rounds 5 --max-local-steps 60 --round-target-s 60 --text-kb 60 \
+        --flower-local-steps 5
 
 Measured on a 2-core machine shared with two other engineers' federation runs (1-minute load
 average sampled every 5 s while each side ran; the sides run one after the other):
@@ -68,9 +90,11 @@ receive of 63 MB masked replies, one at a time until that run, Flower's process 
 every round and what would close the gap: the README, "Time to loss across wide-area links".
 Earlier tiny runs (0.85M and 0.15M parameters: speedups 1.06 and 1.03) measured only the machine.
 
-The report: <workdir>/report.json (per link: both loss curves against wall-clock seconds, the
-targets, times, bytes, our round plans) and <workdir>/curves.csv. Last line per link:
-    RESULT link=<rate>/<rtt> flower_s=<..> ours_s=<..> speedup=<flower/ours> ours_bytes_up=<..> flower_bytes_up=<..>
+The report: <workdir>/report.json (per link: every loss curve against wall-clock seconds and rounds,
+the anchor, target, times, bytes, per-round breakdowns, our round plans) and <workdir>/curves.csv.
+Last line per link:
+    RESULT link=<rate>/<rtt> flower_s=<..> ours_s=<..> speedup=<flower/ours> flower_local_steps=<anchor>
+           target=<..> ours_bytes_up=<..> flower_bytes_up=<..> ours_max_rise_pct=<..>
            held_flower_s=<..> held_ours_s=<..> held_speedup=<..>
 """
 
@@ -94,6 +118,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from benchmarks._flower_deployment import run_anchor  # noqa: E402
+from benchmarks._time_to_loss import (choose_anchor, passes, split_breakdown, text_bytes_per_site,  # noqa: E402
+                                      time_to, tokens_read_per_site)
 from benchmarks.shaped_link import ShapedLink, available, check  # noqa: E402
 from federation.ops import launcher  # noqa: E402
 from site_trainer.config import SiteConfig  # noqa: E402
@@ -102,9 +128,11 @@ ANCHOR_APP = Path(__file__).parent / "flower_hf_fedavg_app"
 SITES = 3
 
 
-def build_inputs(workdir: Path, args) -> tuple[Path, int]:
-    """The model directory and each site's train/ and val/ text; the parameter count."""
+def build_inputs(workdir: Path, args) -> tuple[Path, int, dict]:
+    """The model directory and each site's train/ and val/ text; the parameter count; the data sizing
+    (text per site, tokens the longest run reads, its passes over a site's training text)."""
     import hf_models
+    from transformers import AutoTokenizer
 
     heads = max(1, args.embd // 64)
     model_dir = hf_models.tiny_llama(workdir / "model", hidden=args.embd, layers=args.layers, heads=heads,
@@ -112,11 +140,18 @@ def build_inputs(workdir: Path, args) -> tuple[Path, int]:
     from transformers import AutoModelForCausalLM
 
     n_params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model_dir).parameters())
+    # the most tokens a site reads: Flower's longest setting or ours at its step cap
+    tokens = max([tokens_read_per_site(args.rounds, k, args.batch, args.seq_len) for k in flower_settings(args)]
+                 + [tokens_read_per_site(args.ours_rounds or args.rounds, args.max_local_steps, args.batch,
+                                         args.seq_len, args.overlap_max_steps_factor)])
+    sample = hf_models.stdlib_text(max_bytes=200_000)
+    bytes_per_token = len(sample) / len(AutoTokenizer.from_pretrained(model_dir)(sample)["input_ids"])
+    per_site = args.text_kb * 1000 or text_bytes_per_site(tokens, bytes_per_token, args.max_passes)
     # each site its own region of the stdlib text: 8 train files and 1 validation file
-    per_site = args.text_kb * 1000
     text = hf_models.stdlib_text(max_bytes=SITES * per_site + 1000)
     if len(text) < SITES * per_site:
-        raise SystemExit(f"the stdlib text gives {len(text)} bytes, fewer than {SITES * per_site}; lower --text-kb")
+        raise SystemExit(f"the stdlib text gives {len(text)} bytes, fewer than {SITES * per_site}: lower --text-kb, "
+                         "or (with --text-kb 0) raise --max-passes or run fewer rounds or local steps")
     for s in range(SITES):
         chunk = text[s * per_site:(s + 1) * per_site]
         cut = int(len(chunk) * 0.9)
@@ -128,7 +163,15 @@ def build_inputs(workdir: Path, args) -> tuple[Path, int]:
         for i in range(8):
             (d / "train" / f"doc{i:02d}.txt").write_text(train[i * step:(i + 1) * step], encoding="utf-8")
         (d / "val" / "val.txt").write_text(val, encoding="utf-8")
-    return model_dir, n_params
+    sizing = {"text_bytes_per_site": per_site, "bytes_per_token": round(bytes_per_token, 3),
+              "max_tokens_read_per_site": tokens,
+              "max_passes": round(passes(tokens, int(per_site * 0.9 / bytes_per_token)), 2)}
+    return model_dir, n_params, sizing
+
+
+def flower_settings(args) -> list[int]:
+    """Flower's local-step settings: --flower-local-steps ({H}: ours' step cap, --max-local-steps)."""
+    return sorted({int(x.format(H=args.max_local_steps)) for x in args.flower_local_steps.split(",")})
 
 
 def our_config(path: Path, workdir: Path, model_dir: Path, args) -> Path:
@@ -164,10 +207,10 @@ def _port(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def run_flower(workdir: Path, data: Path, model_dir: Path, links: list[ShapedLink], args) -> dict:
-    """Flower's FedAvg; each SuperNode dials the SuperLink through its site's link."""
+def run_flower(workdir: Path, data: Path, model_dir: Path, links: list[ShapedLink], args, local_steps: int) -> dict:
+    """Flower's FedAvg at `local_steps` a round; each SuperNode dials the SuperLink through its site's link."""
     run_config = " ".join([
-        f'model-dir="{model_dir}"', f"rounds={args.rounds}", f"sites={SITES}", f"local-steps={args.local_steps}",
+        f'model-dir="{model_dir}"', f"rounds={args.rounds}", f"sites={SITES}", f"local-steps={local_steps}",
         f"lr={args.lr!r}", f"batch-size={args.batch}", f"seq-len={args.seq_len}", f"seed={args.seed}", "timeout=1200"])
     sites = [SiteConfig(id=f"site{i}", partition=i) for i in range(SITES)]
     res = run_anchor(workdir, ANCHOR_APP, sites, run_config, 300 + args.rounds * 2400, database=False,
@@ -178,15 +221,17 @@ def run_flower(workdir: Path, data: Path, model_dir: Path, links: list[ShapedLin
     ordered = [r for _, r in sorted(res["rounds"].items(), key=lambda kv: int(kv[0])) if r.get("eval_loss") is not None]
     # held: when the ServerApp had the model it then evaluated (round r's fit aggregated)
     return {"curve": [(r["time"] - t0, r["eval_loss"]) for r in ordered],
-            "held_curve": [(r["train_done"] - t0, r["eval_loss"]) for r in ordered],
+            "curve_rounds": [int(k) for k, r in sorted(res["rounds"].items(), key=lambda kv: int(kv[0]))
+                             if r.get("eval_loss") is not None],
+            "local_steps": local_steps, "held_curve": [(r["train_done"] - t0, r["eval_loss"]) for r in ordered],
             "bytes_up": sum(r["bytes_up"] for r in res["rounds"].values()), "rounds": res["rounds"], "start": t0}
 
 
 def flower_breakdown(fl: dict, model_bytes: int, rate_mbit: float, rtt_ms: float) -> list[dict]:
-    """Flower's rounds split into link, compute and the rest (per-message cost: process start,
-    imports, model load, Flower's delivery): the link is the nominal time of its three model
+    """Flower's rounds split into training, transfer and fixed cost (per-message cost: process start,
+    imports, model load, Flower's delivery): transfer is the nominal time of its three model
     transfers per site in a round (train down, train up, evaluate down; the sites' links run in
-    parallel) plus a round trip each; compute is the slowest site's training and evaluation loops."""
+    parallel) plus a round trip each; training is the slowest site's training and evaluation loops."""
     link_s = 3 * (model_bytes * 8 / (rate_mbit * 1e6) + rtt_ms / 1e3)
     out, prev = [], fl["start"]
     for key, r in sorted(fl["rounds"].items(), key=lambda kv: int(kv[0])):
@@ -195,27 +240,34 @@ def flower_breakdown(fl: dict, model_bytes: int, rate_mbit: float, rtt_ms: float
         wall = r["time"] - prev
         prev = r["time"]
         compute = (r.get("train_s") or 0.0) + (r.get("eval_s") or 0.0)
-        out.append({"round": int(key), "round_s": round(wall, 2), "link_s": round(link_s, 2),
-                    "compute_s": round(compute, 2), "rest_s": round(wall - link_s - compute, 2)})
+        out.append({"round": int(key), **split_breakdown(wall, compute, link_s)})
     return out
 
 
-def ours_breakdown(ours: dict) -> list[dict]:
-    """Our rounds from their metrics lines: wall, the slowest site's transfers on the data path
-    (down, up), its trainer's seconds inside the round's calls and in the background (overlap),
-    and the per-message cost (timing.message_cost: launch, startup, handler, return; the slowest site)."""
+def ours_breakdown(ours: dict, rate_mbit: float, rtt_ms: float) -> list[dict]:
+    """Our rounds from their metrics lines: wall split into training (the slowest site's trainer seconds
+    inside the round's calls), transfer (its data-path transfers, down and up) and fixed cost (the
+    rest; where the updates travelled inline in Flower's messages, not on the data path, the nominal time
+    of the slowest site's bytes up and its share of the bytes down, plus a round trip each way); also the
+    seconds trained in the background (overlap: hidden behind the transfer) and the
+    per-message cost (timing.message_cost: launch, startup, handler, return; the slowest site)."""
     out = []
     for m in ours["lines"]:
         sites = m.get("sites") or {}
         cost = (m.get("timing") or {}).get("message_cost") or {}
         worst = max(cost.values(), key=lambda c: c.get("total_s", 0.0), default={})
+        measured = any("bulk_up_s" in v or "bulk_down_s" in v for v in sites.values())
+        if measured:
+            transfer = max((v.get("bulk_down_s", 0.0) + v.get("bulk_up_s", 0.0) for v in sites.values()), default=0.0)
+        else:
+            down = (m.get("bytes_down") or 0) / max(1, len(sites))
+            transfer = max(((v.get("upload_bytes") or 0.0) + down for v in sites.values()), default=0.0) * 8 / (
+                rate_mbit * 1e6) + 2 * rtt_ms / 1e3
+        training = max((v.get("train_call_s") or 0.0 for v in sites.values()), default=0.0)
         out.append({
-            "round": m["round"], "round_s": round(m.get("round_s") or 0.0, 2),
+            "round": m["round"], **split_breakdown(m.get("round_s") or 0.0, training, transfer),
             "local_steps": (m.get("round_plan") or {}).get("local_steps"),
-            "codec": (m.get("round_plan") or {}).get("codec"),
-            "link_s": round(max((v.get("bulk_down_s", 0.0) + v.get("bulk_up_s", 0.0) for v in sites.values()),
-                                default=0.0), 2),
-            "train_call_s": round(max((v.get("train_call_s") or 0.0 for v in sites.values()), default=0.0), 2),
+            "codec": (m.get("round_plan") or {}).get("codec"), "transfer": "measured" if measured else "nominal",
             "background_s": round(max((v.get("background_s") or 0.0 for v in sites.values()), default=0.0), 2),
             "idle_fraction": round(max((v.get("idle_fraction") or 0.0 for v in sites.values()), default=0.0), 3),
             "stages_s": {st["stage"]: st["seconds"] for st in (m.get("timing") or {}).get("stages", [])},
@@ -297,21 +349,119 @@ class LoadSampler:
         return {"start": self.start, "end": self.end, "mean_1min": round(sum(s) / len(s), 2), "max_1min": max(s)}
 
 
-def time_to(curve: list[tuple[float, float]], target: float) -> float:
-    return next((t for t, loss in curve if loss <= target + 1e-9), math.inf)
+def settled_steps(plans: list) -> int | None:
+    """The local steps ours settles on: the median of its rounds' planned local steps."""
+    steps = sorted(p["local_steps"] for p in plans if p and p.get("local_steps"))
+    return steps[len(steps) // 2] if steps else None
+
+
+def run_link(workdir: Path, model_dir: Path, n_params: int, rate: float, rtt: float, args) -> tuple[dict, str]:
+    """Flower at each setting, then ours, on one link; the link's report entry and its RESULT line."""
+    key = f"{rate:g}/{rtt:g}"
+    entry: dict = {}
+    with contextlib.ExitStack() as stack:
+        links = [stack.enter_context(ShapedLink(rate, rtt)) for _ in range(SITES)]
+        checks = []
+        for i, ln in enumerate(links):
+            m = check(ln)
+            off = m.within(rate, rtt)
+            print(f"# link {key} site{i}: up {m.up_mbit:.1f} down {m.down_mbit:.1f} Mbit/s RTT {m.rtt_ms:.1f} ms"
+                  f"{' OFF: ' + '; '.join(off) if off else ''}", flush=True)
+            if off:
+                raise SystemExit(f"cannot run: link {key} site{i} is not as asked: {'; '.join(off)}")
+            checks.append(vars(m))
+        entry["checks"] = checks
+        wd = workdir / key.replace("/", "-")
+        entry["flower"] = {}
+        for steps in [] if args.skip_flower else flower_settings(args):
+            t = time.monotonic()
+            with LoadSampler() as load:
+                fl = run_flower(wd / f"flower-{steps}", workdir / "data", model_dir, links, args, steps)
+            fl["load"] = load.summary()
+            fl["breakdown"] = flower_breakdown(fl, 4 * n_params, rate, rtt)
+            entry["flower"][steps] = fl
+            print(f"# flower {key} local_steps={steps}: run {time.monotonic() - t:.0f}s; load {load.summary()}; "
+                  f"curve {fl['curve']}", flush=True)
+        anchor = choose_anchor({k: v["curve"] for k, v in entry["flower"].items()}) if entry["flower"] else None
+        if anchor:
+            entry["anchor"] = vars(anchor)
+            print(f"# flower {key}: target {anchor.target} (the lowest loss any setting reached); anchor "
+                  f"local_steps={anchor.local_steps} at {anchor.seconds:.1f}s; every setting {anchor.per_setting}",
+                  flush=True)
+        if not args.skip_ours:
+            t = time.monotonic()
+            wd.mkdir(parents=True, exist_ok=True)
+            with LoadSampler() as load:
+                entry["ours"] = run_ours(wd, our_config(wd / "ours.yaml", workdir, model_dir, args), links)
+            entry["ours"]["load"] = load.summary()
+            print(f"# ours {key}: run {time.monotonic() - t:.0f}s; load {load.summary()}; "
+                  f"curve {entry['ours']['curve']}", flush=True)
+    fl = entry["flower"].get(anchor.local_steps) if anchor else None
+    ours = entry.get("ours")
+    target = anchor.target if anchor else None
+    flower_s = anchor.seconds if anchor else math.nan
+    if ours and ours["curve"]:
+        ours_s = time_to(ours["curve"], target) if target is not None else ours["curve"][-1][0]
+    else:
+        ours_s = math.nan
+    # the same with each evaluated model placed when it was made, not when its loss was known
+    held_flower = time_to(fl["held_curve"], target) if fl else math.nan
+    held_ours = time_to(ours["held_curve"], target) if ours and ours["curve"] and target is not None else math.nan
+    for steps, f in entry["flower"].items():
+        for b in f["breakdown"]:
+            print(f"# flower {key} local_steps={steps} round {b['round']}: {b['round_s']}s = training "
+                  f"{b['training_s']}s (slowest site's train + eval loops) + transfer {b['transfer_s']}s (nominal) "
+                  f"+ fixed {b['fixed_s']}s", flush=True)
+    if ours:
+        ours["breakdown"] = ours_breakdown(ours, rate, rtt)
+        for b in ours["breakdown"]:
+            print(f"# ours {key} round {b['round']}: {json.dumps(b)}", flush=True)
+        ours.pop("lines", None)
+        ours["settled_local_steps"] = settled_steps(ours["round_plans"])
+        evals = [loss for _, loss in ours["curve"]]
+        ours["max_rise_pct"] = round(max((100 * (b - a) / a for a, b in zip(evals, evals[1:])), default=0.0), 2)
+        if anchor and ours["settled_local_steps"] not in entry["flower"]:
+            print(f"# NOTE: ours settled on {ours['settled_local_steps']} local steps, a setting Flower did not run "
+                  f"(--flower-local-steps)", flush=True)
+    entry.update(target_loss=target, flower_s=flower_s, ours_s=ours_s, held_flower_s=held_flower,
+                 held_ours_s=held_ours, ours_final_loss=ours["curve"][-1][1] if ours and ours["curve"] else None)
+    speedup = flower_s / ours_s if ours_s and not math.isnan(ours_s) else math.nan
+    line = (f"RESULT link={key} flower_s={flower_s:.1f} ours_s={ours_s:.1f} speedup={speedup:.2f} "
+            f"flower_local_steps={anchor.local_steps if anchor else 'none'} target={target} "
+            f"ours_bytes_up={ours['bytes_up'] if ours else 0} flower_bytes_up={fl['bytes_up'] if fl else 0} "
+            f"ours_max_rise_pct={ours['max_rise_pct'] if ours else 'none'} "
+            f"held_flower_s={held_flower:.1f} held_ours_s={held_ours:.1f} "
+            f"held_speedup={held_flower / held_ours if held_ours else math.nan:.2f}")
+    print(f"# {key}: target loss {target}; ours final loss {entry['ours_final_loss']}", flush=True)
+    return entry, line
+
+
+def write_curves(path: Path, report: dict) -> None:
+    """Every curve against seconds and rounds: link, system (flower-<local steps> or ours), round, seconds, loss."""
+    with open(path, "w") as f:
+        f.write("link,system,kind,round,seconds,eval_loss\n")
+        for key, entry in report["links"].items():
+            runs = [(f"flower-{k}", v) for k, v in entry.get("flower", {}).items()]
+            runs += [("ours", entry["ours"])] if entry.get("ours") else []
+            for system, run in runs:
+                for kind in ("curve", "held_curve"):
+                    for r, (t, loss) in zip(run.get("curve_rounds", []), run.get(kind, [])):
+                        f.write(f"{key},{system},{kind},{r},{t:.2f},{loss:.6f}\n")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--links", default="100/30,1000/10", help="RATE/RTT,... (Mbit/s / ms)")
-    ap.add_argument("--rounds", type=int, default=10, help="Flower's rounds (its last round's loss is the target)")
-    ap.add_argument("--ours-rounds", type=int, default=0, help="our rounds at most (default: --rounds)")
+    ap.add_argument("--rounds", type=int, default=10, help="Flower's rounds, at every setting")
+    ap.add_argument("--flower-local-steps", default="5,30,{H}", help="Flower's local-step settings; the fastest to "
+                    "the lowest loss any of them reaches is the anchor ({H}: --max-local-steps)")
+    ap.add_argument("--ours-rounds", type=int, default=0, help="our round budget (default: --rounds)")
     ap.add_argument("--embd", type=int, default=512, help="hidden size (512 with 8 layers, vocab 8192: ~30M parameters)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--local-steps", type=int, default=20, help="local steps per round (ours: round 1's; then chosen)")
+    ap.add_argument("--local-steps", type=int, default=20, help="ours: round 1's local steps; then chosen")
     ap.add_argument("--max-local-steps", type=int, default=200, help="ours: the most local steps a round is given")
     ap.add_argument("--lr", type=float, default=3e-4, help="inner AdamW learning rate (both)")
     ap.add_argument("--round-target-s", type=float, default=30.0, help="ours: federation.round_target_s")
@@ -326,7 +476,9 @@ def main() -> int:
                     "round's local steps)")
     ap.add_argument("--secagg-max-weight", type=int, default=0, help="ours: secagg.max_weight (0: its default); "
                     "smaller weights make the ring narrower (fewer bytes up), the sites' weights rounded to that many levels")
-    ap.add_argument("--text-kb", type=int, default=90, help="kB of stdlib text per site (90%% train, 10%% val)")
+    ap.add_argument("--text-kb", type=int, default=0, help="kB of stdlib text per site (90%% train, 10%% val); "
+                    "0 (default): enough that the longest run passes over a site's training text --max-passes times")
+    ap.add_argument("--max-passes", type=float, default=1.0, help="with --text-kb 0: the most passes any run makes")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-flower", action="store_true", help="ours only (no target: ours_s is the last round's time)")
     ap.add_argument("--skip-ours", action="store_true")
@@ -339,83 +491,19 @@ def main() -> int:
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     workdir = (args.workdir or Path(tempfile.mkdtemp(prefix="wan-ttl-"))).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    model_dir, n_params = build_inputs(workdir, args)
+    model_dir, n_params, sizing = build_inputs(workdir, args)
     print(f"# {SITES} sites, Llama-style model {n_params:,} parameters ({4 * n_params / 1e6:.1f} MB float32), "
-          f"full fine-tuning; workdir {workdir}", flush=True)
-    report: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "parameters": n_params, "links": {}}
+          f"full fine-tuning; data {sizing}; Flower's settings {flower_settings(args)}; workdir {workdir}", flush=True)
+    report: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "parameters": n_params, "data": sizing,
+                    "links": {}}
     results = []
     for spec in args.links.split(","):
         rate, rtt = (float(x) for x in spec.split("/"))
-        key = f"{rate:g}/{rtt:g}"
-        with contextlib.ExitStack() as stack:
-            links = [stack.enter_context(ShapedLink(rate, rtt)) for _ in range(SITES)]
-            checks = []
-            for i, ln in enumerate(links):
-                m = check(ln)
-                off = m.within(rate, rtt)
-                print(f"# link {key} site{i}: up {m.up_mbit:.1f} down {m.down_mbit:.1f} Mbit/s RTT {m.rtt_ms:.1f} ms"
-                      f"{' OFF: ' + '; '.join(off) if off else ''}", flush=True)
-                if off:
-                    print(f"cannot run: link {key} site{i} is not as asked: {'; '.join(off)}")
-                    return 3
-                checks.append(vars(m))
-            entry: dict = {"checks": checks}
-            wd = workdir / key.replace("/", "-")
-            if not args.skip_flower:
-                t = time.monotonic()
-                with LoadSampler() as load:
-                    entry["flower"] = run_flower(wd, workdir / "data", model_dir, links, args)
-                entry["flower"]["load"] = load.summary()
-                print(f"# flower {key}: run {time.monotonic() - t:.0f}s; load {load.summary()}; "
-                      f"curve {entry['flower']['curve']}", flush=True)
-            if not args.skip_ours:
-                t = time.monotonic()
-                wd.mkdir(parents=True, exist_ok=True)
-                with LoadSampler() as load:
-                    entry["ours"] = run_ours(wd, our_config(wd / "ours.yaml", workdir, model_dir, args), links)
-                entry["ours"]["load"] = load.summary()
-                print(f"# ours {key}: run {time.monotonic() - t:.0f}s; load {load.summary()}; "
-                      f"curve {entry['ours']['curve']}", flush=True)
-        fl, ours = entry.get("flower"), entry.get("ours")
-        target = fl["curve"][-1][1] if fl and fl["curve"] else None
-        flower_s = fl["curve"][-1][0] if fl and fl["curve"] else math.nan
-        if ours and ours["curve"]:
-            ours_s = time_to(ours["curve"], target) if target is not None else ours["curve"][-1][0]
-        else:
-            ours_s = math.nan
-        # the same with each evaluated model placed when it was made, not when its loss was known
-        held_flower = fl["held_curve"][-1][0] if fl and fl["curve"] else math.nan
-        held_ours = time_to(ours["held_curve"], target) if ours and ours["curve"] and target is not None else math.nan
-        if fl:
-            entry["flower_breakdown"] = flower_breakdown(fl, 4 * n_params, rate, rtt)
-            for b in entry["flower_breakdown"]:
-                print(f"# flower {key} round {b['round']}: {b['round_s']}s = link {b['link_s']}s (nominal) + compute "
-                      f"{b['compute_s']}s (slowest site's train + eval loops) + rest {b['rest_s']}s", flush=True)
-        if ours:
-            entry["ours_breakdown"] = ours_breakdown(ours)
-            for b in entry["ours_breakdown"]:
-                print(f"# ours {key} round {b['round']}: {json.dumps(b)}", flush=True)
-            ours.pop("lines", None)
-        entry.update(target_loss=target, flower_s=flower_s, ours_s=ours_s, held_flower_s=held_flower,
-                     held_ours_s=held_ours,
-                     ours_final_loss=ours["curve"][-1][1] if ours and ours["curve"] else None)
-        report["links"][key] = entry
-        speedup = flower_s / ours_s if ours_s and not math.isnan(ours_s) else math.nan
-        results.append(f"RESULT link={key} flower_s={flower_s:.1f} ours_s={ours_s:.1f} speedup={speedup:.2f} "
-                       f"ours_bytes_up={ours['bytes_up'] if ours else 0} flower_bytes_up={fl['bytes_up'] if fl else 0} "
-                       f"held_flower_s={held_flower:.1f} held_ours_s={held_ours:.1f} "
-                       f"held_speedup={held_flower / held_ours if held_ours else math.nan:.2f}")
-        print(f"# {key}: target loss {target} (Flower's last round); ours final loss {entry['ours_final_loss']}",
-              flush=True)
+        entry, line = run_link(workdir, model_dir, n_params, rate, rtt, args)
+        report["links"][f"{rate:g}/{rtt:g}"] = entry
+        results.append(line)
         (workdir / "report.json").write_text(json.dumps(report, indent=1, default=str))
-    with open(workdir / "curves.csv", "w") as f:
-        f.write("link,system,seconds,eval_loss\n")
-        for key, entry in report["links"].items():
-            for system in ("flower", "ours"):
-                for t, loss in (entry.get(system) or {}).get("curve", []):
-                    f.write(f"{key},{system},{t:.2f},{loss:.6f}\n")
-                for t, loss in (entry.get(system) or {}).get("held_curve", []):
-                    f.write(f"{key},{system} (held),{t:.2f},{loss:.6f}\n")
+        write_curves(workdir / "curves.csv", report)
     print(f"# report: {workdir / 'report.json'}, curves: {workdir / 'curves.csv'}")
     for line in results:
         print(line, flush=True)

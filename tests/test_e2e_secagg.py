@@ -95,7 +95,9 @@ def test_secagg_exact_sums_dropouts_at_each_stage_abort_and_recovery(tmp_path, m
     from site_trainer.workloads import initial_weights
 
     previous = initial_weights(load_config(path).workload, 0)
-    momentum = np.zeros_like(_model_flat(previous))  # DiLoCo's buffer, by hand: lr 0.7, momentum 0.9, Nesterov
+    fed = load_config(path).federation
+    lr, mom = fed.effective_server_lr, fed.effective_server_momentum  # the defaults (Nesterov)
+    momentum = np.zeros_like(_model_flat(previous))  # the outer buffer, by hand
     for rnd, line in enumerate(lines, start=1):
         info = line["secagg"]
         if line["status"] != "aggregated":
@@ -120,9 +122,9 @@ def test_secagg_exact_sums_dropouts_at_each_stage_abort_and_recovery(tmp_path, m
         assert np.abs(decoded - plain).max() <= bound, f"round {rnd}"
         assert np.abs(plain).max() > 1e-3  # training moved the model: this is not a sum of zeros
         # the outer step on exactly that decoded mean (the pseudo-gradient is its negative)
-        momentum = 0.9 * momentum + decoded
+        momentum = mom * momentum + decoded
         _, model, opt = load_checkpoint(run / "checkpoints" / f"round_{rnd:04d}")
-        np.testing.assert_allclose(_model_flat(model) - _model_flat(previous), 0.7 * (decoded + 0.9 * momentum),
+        np.testing.assert_allclose(_model_flat(model) - _model_flat(previous), lr * (decoded + mom * momentum),
                                    rtol=0, atol=2e-6)
         np.testing.assert_allclose(_model_flat({k[2:]: v for k, v in opt.items()}), momentum, rtol=0, atol=2e-6)
         previous = model

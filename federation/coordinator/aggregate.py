@@ -76,7 +76,7 @@ class ServerOptimizer:
     beta1: float = 0.9
     beta2: float = 0.99
     tau: float = 1e-3
-    momentum: float = 0.9  # diloco
+    momentum: float = 0.5  # diloco (the schema's default: FederationConfig.effective_server_momentum)
     nesterov: bool = True  # diloco; False: heavy-ball momentum
     m: Arrays = field(default_factory=dict)
     v: Arrays = field(default_factory=dict)
