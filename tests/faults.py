@@ -50,7 +50,7 @@ def kill_coordinator(run: Path, marker: str) -> list[tuple[int, bytes]]:
     return victims
 
 
-# ---- site side (issue 13): a site's trainer rank and its SuperNode ---------------------------------
+# ---- site side: a site's trainer rank and its SuperNode ---------------------------------
 
 def _args(pid: int) -> list[bytes]:
     return Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")

@@ -37,9 +37,8 @@ from federation.protocol import bulk_rpc as rpc
 from federation.protocol.bulk import Blob, BulkRefused
 from federation.protocol.malloc_policy import trim_freed
 
-# gRPC's threads free a chunk-sized message per step, and glibc kept the pages in their arenas: in a
-# 101M-parameter run, about 450 MB of the ServerApp's peak appeared with the uploads and stayed until
-# the round ended (issue 19's coordinator memory). A trim every few chunks gives them back.
+# gRPC's threads free a chunk-sized message per step, and glibc keeps the pages in their arenas
+# until the round ends; a trim every few chunks gives them back.
 TRIM_EVERY = 8
 
 log = logging.getLogger("sovfl.bulk")
