@@ -109,6 +109,13 @@ def test_no_forbidden_import_anywhere():
     assert not found, f"{len(found)} forbidden import(s):\n" + "\n".join(found)
 
 
+def write_tree(root: Path, files: dict[str, str]) -> None:
+    """A source tree under `root`: relative path -> text."""
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+
+
 def test_the_checker_catches_each_kind_of_forbidden_import(tmp_path):
     """A tree with one violation of each rule: every one is reported (the check cannot pass vacuously)."""
     files = {
@@ -126,9 +133,7 @@ def test_the_checker_catches_each_kind_of_forbidden_import(tmp_path):
         "crypto/__init__.py": "import flwr\n",
         "site_trainer/__init__.py": "from flwr.app import Message\n",
     }
-    for rel, text in files.items():
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text(text)
+    write_tree(tmp_path, files)
     found = "\n".join(violations(tmp_path))
     for needle in ("federation/site/bad.py: imports federation.coordinator.driver",
                    "federation/coordinator/bad.py: imports federation.site",
@@ -211,9 +216,7 @@ def test_the_checker_catches_an_import_cycle(tmp_path):
         "federation/c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from federation.a import x\n",
         "federation/d.py": "from federation import a\n",
     }
-    for rel, text in files.items():
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text(text)
+    write_tree(tmp_path, files)
     assert import_cycles(tmp_path) == [["federation.a", "federation.b", "federation.c"]]
 
 

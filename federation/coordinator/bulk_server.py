@@ -78,7 +78,7 @@ class BulkServer:
         self.bytes_in = self.bytes_out = 0
         self._landed = 0  # chunks written, all uploads: every TRIM_EVERY of them, glibc gives freed pages back
         self._lock = threading.Lock()
-        # site, round, figures: a site's evaluation of the round's model before its reply (driver.py)
+        # site, round, figures: a site's evaluation of the round's model before its reply (round_hooks.EvalHook.report)
         self.on_report: Callable[[str, int, dict[str, float]], None] | None = None
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bulk"),
                                    options=rpc.SERVER_OPTIONS)

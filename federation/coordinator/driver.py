@@ -179,10 +179,10 @@ class Coordinator:
         """One stage's messages out and replies back (exchange.py)."""
         return self.messaging.exchange(ex, receive, workers)
 
-    def drive(self, strategy: Strategy, state: object) -> tuple[object, Traffic]:
+    def run_strategy(self, strategy: Strategy, state: object) -> tuple[object, Traffic]:
         """Run a strategy's stages through the exchange; the previous round's checkpoint is settled
         before each stage's aggregate (the model and the optimizer's state change after it)."""
-        return self.messaging.run(strategy, state, self.fed.receive_workers, lambda: self.settle_checkpoint(),
+        return self.messaging.run(strategy, state, self.fed.receive_workers, lambda: self.wait_for_checkpoint(),
                                   lambda: [h.after_stage() for h in self.hooks])
 
     def admit(self, rnd: int, nodes: list[int]) -> AdmissionOutcome:
@@ -224,7 +224,7 @@ class Coordinator:
         if late is not None:
             timing["stages"].append(stage_timing(f"discovery before round {rnd}", late))
         nodes = [n for n in (self.node_of(name) for name in names) if n is not None]
-        self.messaging.settle(nodes)
+        self.messaging.await_side_queries(nodes)
         absent = {name: "not connected: no node answered discovery as this site" for name in names
                   if self.node_of(name) is None}
         prep = self.prepare(rnd, nodes)
@@ -238,7 +238,7 @@ class Coordinator:
                          partial(self.model_message, rnd, evaluate=self.fed.evaluate), self.progress,
                          codec=self.messages_out.codec(rnd))
         try:
-            out, traffic = self.drive(self.protocol, self.protocol.begin(inp))
+            out, traffic = self.run_strategy(self.protocol, self.protocol.begin(inp))
         finally:
             self.riders = []
             for hook in self.hooks:
@@ -259,7 +259,7 @@ class Coordinator:
         round's checkpoint is written: it holds the model before the step); the round's metrics line."""
         line = metrics_line(rnd, out, sampled, self.rejections, sum(v.nbytes for v in self.model.values()),
                             partial(self._part_metrics, rnd))
-        self.settle_checkpoint()  # the model and the optimizer's state change below
+        self.wait_for_checkpoint()  # the model and the optimizer's state change below
         if self.log.background:
             timing["checkpoint_wait_s"] = round(self.log.wait_s, 4)
         self.log.wait_s = 0.0
@@ -285,7 +285,7 @@ class Coordinator:
     def final_evaluation(self) -> dict:
         """Evaluate the run's final model on every site the hooks allow now: the `final_eval_*` figures."""
         nodes = [n for n in sorted(self.sites) if all(h.may_evaluate(self.site_name(n)) for h in self.hooks)]
-        out, traffic = self.drive(self.evaluation, self.evaluation.begin(
+        out, traffic = self.run_strategy(self.evaluation, self.evaluation.begin(
             nodes, partial(self.model_message, self.fed.rounds)))
         return {f"final_{k}": v for k, v in out.items()} | {"final_eval_stage": traffic.stages[0] if traffic.stages else {}}
 
@@ -300,14 +300,14 @@ class Coordinator:
         line["timing"]["message_cost"] = message_cost.per_site(line["timing"].get("stages", []))
         line["messages"] = self.messages_per_site()
         if write:
-            self.commit_line(rnd, line)
+            self.record_round(rnd, line)
         return line
 
-    def settle_checkpoint(self) -> None:
+    def wait_for_checkpoint(self) -> None:
         """Wait for the checkpoint being written in the background, if any (run_log.py)."""
-        self.log.settle()
+        self.log.wait_for_write()
 
-    def commit_line(self, rnd: int, line: dict) -> None:
+    def record_round(self, rnd: int, line: dict) -> None:
         """Checkpoint round `rnd`, then append its metrics line (run_log.py)."""
         self.log.commit(rnd, line)
 
@@ -327,7 +327,7 @@ class Coordinator:
             except Exception as err:  # the run's own error is the one to raise
                 log.warning("the last checkpoint could not be written: %s", err)
             raise
-        self.settle_checkpoint()  # every round's checkpoint and metrics line are on disk
+        self.wait_for_checkpoint()  # every round's checkpoint and metrics line are on disk
         return run_result(self.history, self.fed.rounds, self.rejections, self.messages_per_site())
 
     def _rounds(self) -> None:
@@ -339,5 +339,5 @@ class Coordinator:
                 line.update(self.final_evaluation())
                 line["final_eval_downlink"] = self.downlink.round_metrics()
                 line["messages"] = self.messages_per_site()
-                self.commit_line(rnd, line)
+                self.record_round(rnd, line)
             self.progress(round_summary(rnd, self.fed.rounds, line))

@@ -4,8 +4,8 @@
 on it, strategy.Rider) and pulls replies until all answered or the stage's deadline passed, naming
 each site that crashed, erred or missed it and counting the bytes; `run` drives a round strategy's
 stages through it. Riders may address sites the stage does not: those side queries go out with
-the stage but are not waited for; `settle` (before the next round: wait for the queries to its
-sites) and `drain` (give up on the rest) end them.
+the stage but are not waited for; `await_side_queries` (before the next round: wait for the queries to its
+sites) and `drop_side_queries` (give up on the rest) end them.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from typing import Any, TypeVar
 
 from flwr.app import ConfigRecord, Message, RecordDict
 
-from federation.coordinator import stage_hook
 from federation.coordinator.bulk_path import BulkPath, ref_bytes
 from federation.coordinator.downlink_sender import DownlinkSender
 from federation.coordinator.polling import PollSchedule
@@ -27,6 +26,7 @@ from federation.coordinator.reply_folds import Folds
 from federation.coordinator.strategy import Exchange, ExchangeResult, Reply, Rider, Strategy
 from federation.protocol import message_cost
 from federation.protocol import message_keys as keys
+from federation.protocol import testing_hooks
 from federation.protocol.bulk import BulkRefused
 from federation.protocol.payload_records import record_bytes
 
@@ -129,7 +129,7 @@ class MessageExchange:
         folds = Folds(receive, workers, t0, result) if receive else None
         try:
             while pending and time.monotonic() < end:
-                self.pull_side()
+                self.pull_side_replies()
                 batches = [[mid] for mid in pending] if receive else [list(pending)]
                 for batch in batches:
                     if folds is not None and not folds.room():
@@ -167,7 +167,7 @@ class MessageExchange:
             raise
         if folds is not None:
             folds.close()  # every fold done before the stage's aggregate (a fold's error is raised here)
-        self.pull_side()
+        self.pull_side_replies()
         if self.bulk is not None:
             self.bulk.stage_over()
         for node, seen in pending.values():
@@ -207,7 +207,7 @@ class MessageExchange:
         return Reply(name, node, reply)
 
     # ---- side queries: riders' messages to sites the stage does not address ----------------------
-    def pull_side(self) -> bool:
+    def pull_side_replies(self) -> bool:
         """Hand the riders' replies that arrived to them; whether any did."""
         if not self.side:
             return False
@@ -221,27 +221,27 @@ class MessageExchange:
                     rider.take(node, reply)
         return got
 
-    def drain(self) -> None:
+    def drop_side_queries(self) -> None:
         """Give up on the side queries: take what arrived of them, tell their riders the rest never
         will (a round never waits for a site it does not address)."""
-        self.pull_side()
+        self.pull_side_replies()
         for node, riders, _ in self.side.values():
             for rider in riders:
                 rider.take(node, None)
         self.side.clear()
 
-    def wait_side(self, deadline_s: float) -> None:
-        """Wait for every side query until it is answered or `deadline_s` from now, then `drain`."""
+    def await_all_side_queries(self, deadline_s: float) -> None:
+        """Wait for every side query until it is answered or `deadline_s` from now, then `drop_side_queries`."""
         deadline, poll = time.monotonic() + deadline_s, PollSchedule()
         while self.side and time.monotonic() < deadline:
-            if not self.pull_side():
+            if not self.pull_side_replies():
                 time.sleep(max(0.0, min(poll.next_wait(), deadline - time.monotonic())))
-        self.drain()
+        self.drop_side_queries()
 
-    def settle(self, nodes: list[int]) -> None:
+    def await_side_queries(self, nodes: list[int]) -> None:
         """Before a round: wait for what the last round asked `nodes` on the side (a site that missed
         a stage was sent a query for this round's setup) until each answers or its own deadline
-        passes, then `drain`. Giving up sooner would make a slow but live site sit this round out
+        passes, then `drop_side_queries`. Giving up sooner would make a slow but live site sit this round out
         only because the last round's final stage was quicker than its ClientApp; a dead site costs
         at most what is left of its query's deadline."""
         mine = set(nodes)
@@ -251,9 +251,9 @@ class MessageExchange:
             left = max(ends) - time.monotonic() if ends else 0.0
             if left <= 0:
                 break
-            if not self.pull_side():
+            if not self.pull_side_replies():
                 time.sleep(max(0.0, min(poll.next_wait(), left)))
-        self.drain()
+        self.drop_side_queries()
 
     # ---- a strategy's stages -------------------------------------------------------------------
     def run(self, strategy: Strategy[object, O], state: object, workers: int,
@@ -267,7 +267,7 @@ class MessageExchange:
                 ex = step.configure(state)
                 if ex is None:
                     continue
-                stage_hook.entered(ex.stage, state)  # test seam: inert unless SOVFL_TEST_STAGE_HOOK is set
+                testing_hooks.stage_entered(ex.stage, state)  # inert unless a test sets SOVFL_TEST_STAGE_HOOK
                 result = self.exchange(ex, partial(step.receive, state) if step.receive else None,
                                        workers if step.concurrent else 1)
                 traffic.down += result.bytes_down
@@ -279,7 +279,7 @@ class MessageExchange:
                     self.bulk.server.release_all()
                 traffic.stages.append(stage_timing(ex.stage, result, time.monotonic() - t0))
                 after_stage()
-            stage_hook.entered("aggregate", state)
+            testing_hooks.stage_entered("aggregate", state)
             t0 = time.monotonic()
             out = strategy.finish(state)
             took = round(time.monotonic() - t0, 4)  # the strategy's own work (decode, unmask): aggregation

@@ -130,7 +130,7 @@ def _downlink_arrays(state: RunState) -> tuple[dict, dict]:
 def checkpoint_job(state: RunState, rnd: int, cfg, run_id: int, store: CheckpointStore) -> Callable[[], Path]:
     """Round `rnd`'s checkpoint of `state` as it is now (its metrics line is the last of
     `state.history`) into `store`; the returned call writes it, on the driver's thread or on one of its own
-    (driver.py, `CheckpointWriter`). What the next round changes before it waits for the write is
+    (run_log.py, `CheckpointWriter`). What the next round changes before it waits for the write is
     copied here: the JSON state (serialized now), the lists of arrays. The arrays themselves are
     taken as they are: the model and the optimizer's state change only when the next round's
     mean update is applied, and the driver waits for the write before that; the downlink's

@@ -1,7 +1,7 @@
 """The roster: which Flower node is which configured site.
 
 Sites say who they are in answer to a discovery query (site name, examples, base manifest, data
-path, channel key); the roster enrols them (`enrol`, one `claim` per reply), keeps a claim on a
+path, channel key); the roster enrols them (`enrol`, one `assign_site` per reply), keeps a claim on a
 site another node still holds until that node goes offline (a SuperNode restarted under a new node
 id gets its site back that way), and asks nodes that connected since (`discover_late`). Which
 configured sites a round samples is `sample`: a function of the federation seed and the round.
@@ -87,7 +87,7 @@ class Roster:
             time.sleep(0.5)
         self.progress(f"{len(nodes)}/{want} site(s) connected")
         found = self.discovery(nodes, riders(nodes), self.cfg.federation.deadlines.connect_s, "discovery")
-        self.enrol(found)
+        self.enrol_replies(found)
         return found
 
     def discovery(self, nodes: list[int], riders: list[Rider], deadline_s: float, stage: str) -> ExchangeResult:
@@ -100,18 +100,18 @@ class Roster:
         finally:
             self.exchange.riders = []
 
-    def enrol(self, res: ExchangeResult, online: set[int] | None = None) -> None:
-        """Take the sites that answered a discovery (`claim`), `online` the nodes the SuperLink lists now."""
+    def enrol_replies(self, res: ExchangeResult, online: set[int] | None = None) -> None:
+        """Take the sites that answered a discovery (`assign_site`), `online` the nodes the SuperLink lists now."""
         for reply in res.replies:
             node = reply.message.metadata.src_node_id
-            self.claim(node, reply.status, online)
+            self.assign_site(node, reply.status, online)
             if self.known_name(node) is not None:
                 for heard in self.on_status:
                     heard(self.site_name(node), reply.status)
         for name, reason in res.failed.items():
             self.progress(f"site discovery: {name} failed: {reason}")
 
-    def claim(self, node: int, status: ConfigRecord, online: set[int] | None) -> None:
+    def assign_site(self, node: int, status: ConfigRecord, online: set[int] | None) -> None:
         """`node` says it is the site in `status`. A site name held by another node that is still
         `online` (None: always, the first discovery) stays with that node and the claim is kept: it is
         taken once that node is gone, which is how a SuperNode restarted under a new node id (no
@@ -158,7 +158,7 @@ class Roster:
             if node not in online:
                 del self.claims[node]
             elif self.node_of(site) not in online:
-                self.claim(node, status, online)
+                self.assign_site(node, status, online)
         new = sorted(n for n in online - set(self.sites) - self.discovered if self.late_tries[n] < LATE_TRIES)
         if not new:
             return None
@@ -166,5 +166,5 @@ class Roster:
         self.progress(f"round {rnd}: {len(new)} node(s) connected since discovery; asking who they are")
         deadlines = self.cfg.federation.deadlines
         res = self.discovery(new, [], min(deadlines.connect_s, deadlines.round_s), f"discovery before round {rnd}")
-        self.enrol(res, online)
+        self.enrol_replies(res, online)
         return res

@@ -356,7 +356,7 @@ def prepare_round(hooks: list[RoundHook], messaging: MessageExchange, rnd: int, 
     saved, messaging.riders = messaging.riders, riders
     try:
         res = messaging.exchange(Exchange(f"prepare round {rnd}", "query", [], lambda n: RecordDict(), wait_s))
-        messaging.wait_side(wait_s)  # here the round does wait for them
+        messaging.await_all_side_queries(wait_s)  # here the round does wait for them
     finally:
         messaging.riders = saved
     res.seconds = time.monotonic() - t0

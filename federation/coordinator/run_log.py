@@ -14,18 +14,18 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from federation.config.schema import ExperimentConfig
-from federation.coordinator import stage_hook
 from federation.coordinator.checkpoint import CheckpointStore
 from federation.coordinator.checkpoint_writer import CheckpointWriter
 from federation.coordinator.resume import checkpoint_job
 from federation.coordinator.run_state import RunState
 from federation.coordinator.strategy import RoundOutcome
+from federation.protocol import testing_hooks
 
 
 class RunLog:
     """The run's checkpoints and metrics.jsonl under `workdir`.
 
-    `background`: write each round's checkpoint and line on a thread (`settle` waits for it);
+    `background`: write each round's checkpoint and line on a thread (`wait_for_write` waits for it);
     `wait_s`: this round's waits for the previous round's write."""
 
     def __init__(self, workdir: Path, cfg: ExperimentConfig, run_id: int, state: Callable[[], RunState],
@@ -37,7 +37,7 @@ class RunLog:
         self.background = False
         self.wait_s = 0.0
 
-    def settle(self) -> None:
+    def wait_for_write(self) -> None:
         """Wait for the checkpoint being written in the background, if any (its error is raised)."""
         self.wait_s += self.writer.wait()
 
@@ -47,8 +47,8 @@ class RunLog:
         and `timing.checkpoint_s` is the write's own seconds."""
         state = self.state()
         state.history.append(line)
-        stage_hook.entered("checkpoint", rnd=rnd)  # test seam: inert unless SOVFL_TEST_STAGE_HOOK is set
-        self.settle()
+        testing_hooks.stage_entered("checkpoint", rnd=rnd)  # inert unless a test sets SOVFL_TEST_STAGE_HOOK
+        self.wait_for_write()
         if self.background:
             write_checkpoint = checkpoint_job(state, rnd, self.cfg, self.run_id, self.checkpoints)
             record, path = json.loads(json.dumps(line)), self.metrics_path

@@ -55,7 +55,7 @@ FedAvg's step writes the new model into the ring's own words, so the round never
 and the ring at once.
 
 Concurrency: stage 3's replies are checked and added on up to `receive_workers` threads at once
-(driver.py, reply_folds.py), so the large replies of a WAN round do not wait for one
+(exchange.py, reply_folds.py), so the large replies of a WAN round do not wait for one
 another. Each fold hashes, verifies and unpacks its own chunks unlocked, adds each chunk holding
 the accumulator's stripes it covers (`StripeLocks`), and updates the round's bookkeeping (replay
 guard, rejections, per-site metrics) under the state's lock. The sum is bit for bit the same in
