@@ -1,5 +1,5 @@
 """The coordinator's peak memory for one round at size, on its real code paths, without the rest of
-a federation (issue 19: coordinator_peak_ratio <= 1.5).
+a federation (target: coordinator_peak_ratio <= 1.5).
 
 Sealed round: two sites' updates of P float32 parameters are sealed with really provisioned keys
 and written as the data path stores an upload (the .npy bytes of the envelope body,
@@ -23,8 +23,6 @@ memory beside it.
 
     python benchmarks/coordinator_memory.py --params 101000000 --secagg
 Last line: RESULT params=<P> coordinator_peak_ratio=<..> inmemory_ratio=<..> secagg_peak_ratio=<..> secagg_inmemory_ratio=<..>
-
-Measured 2026-11-26 (2 cores, load 6-10), P = 101M: see docs/benchmarks/large_update.md ("Whole runs").
 """
 
 from __future__ import annotations
@@ -193,7 +191,7 @@ def model_message(work: Path, model: dict, streamed: bool) -> None:
         if not streamed:  # the sites are direct: the whole records are offloaded as the previous driver did
             for site in ("site0", "site1"):
                 coord.bulk.paths[site] = "direct"
-        sent = [coord._message(node, rd, "train", 30.0, [])[0] for node, rd in zip((1, 2), built)]
+        sent = [coord.messaging.message(node, rd, "train", 30.0, [])[0] for node, rd in zip((1, 2), built)]
     del built, sent, message
     coord.downlink.forget_stage()
     coord.bulk.stage_over()

@@ -94,7 +94,7 @@ def plain(tmp: Path, spec: dict, ranks: int) -> dict:
 
 
 def trainer_config(tmp: Path, name: str, options: dict, args) -> Path:
-    """The service's TrainerConfig for the hf-causal-lm task (the workload form of issue 10)."""
+    """The service's TrainerConfig for the hf-causal-lm task (the workload form)."""
     from site_trainer.config import SiteConfig, TrainerConfig, WorkloadConfig
 
     site = {"id": SITE, "ranks": args.ranks, "partition": 0, "local_steps": args.steps, "batch_size": args.batch,
@@ -107,7 +107,7 @@ def trainer_config(tmp: Path, name: str, options: dict, args) -> Path:
     except (ValidationError, ValueError, TypeError) as err:
         raise NotRunnable(f"this checkout's trainer service cannot be configured with the hf-causal-lm task and a "
                           f"warm-up + cosine schedule ({str(err).splitlines()[0]} ...); it needs the workload "
-                          "machinery of issue 10 (Task loader, session, schedule)") from None
+                          "machinery (Task loader, session, schedule)") from None
     tmp.mkdir(parents=True, exist_ok=True)
     path = tmp / f"{name}.json"
     path.write_text(cfg.model_dump_json())

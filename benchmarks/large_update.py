@@ -8,7 +8,7 @@ Both sides run real processes on loopback, started by the project's launcher:
   with SecAgg+ (1 round). The model goes down and the update comes up on the coordinator's data
   path (coordinator/bulk_server.py), SuperLink with its database as in production;
 - Flower: `flwr run` of benchmarks/flower_fedavg_app (flwr.serverapp.strategy.FedAvg as shipped,
-  a NumPy ClientApp), on an in-memory SuperLink (the database one fails at this size, issue 19),
+  a NumPy ClientApp), on an in-memory SuperLink (the database one fails at this size),
   the same number of sites and the same parameter shapes (read from our run's checkpoint), random
   weights (Flower stores chunks by content: a zero model would travel as one chunk), 1 round.
 
@@ -33,16 +33,8 @@ when the machine's MemAvailable falls below it, and prints the peaks reached.
 
 The run also measures what any authenticated hop can move here at most (benchmarks/_tls_ceiling.py:
 bare mutual TLS sockets, the receiver hashing and writing every byte, 2 streams at once like the 2
-sites): on this 2-core machine, quiet, 195-263 MB/s per stream (582 MB/s with one stream alone),
-which is 2.2-3.5 x the Flower anchor's 74.5-89.6 MB/s per hop measured by this script, so the
-issue's speedup >= 10 per hop (set against the 12-15 MB/s per hop it measured for Flower under
-load) is above this machine's ceiling for any design that encrypts, verifies and stores what it
-moves. Measured 2026-11-26, quiet machine, 101M parameters:
-`RESULT params=101328896 ours_mb_s_per_hop=134.1 flower_mb_s_per_hop=89.6 speedup=1.5
-coordinator_peak_ratio=2.26 rounds_ok=3 rounds_asked=3 tls_ceiling_mb_s_per_hop=195`; and at 512M
-(`--n-layer 26 --n-embd 1280 --site-dtype bfloat16 --skip-flower --rounds 1`: Flower's path does not
-fit beside ours at that size) `RESULT params=512312320 ours_mb_s_per_hop=129.0 flower_mb_s_per_hop=nan
-speedup=nan coordinator_peak_ratio=3.00 rounds_ok=2 rounds_asked=2 tls_ceiling_mb_s_per_hop=203`.
+sites): the ceiling of any design that encrypts, verifies and stores what it moves, printed as
+`tls_ceiling_mb_s_per_hop` beside the two paths' figures.
 
 Last line: `RESULT params=<P> ours_mb_s_per_hop=<..> flower_mb_s_per_hop=<..> speedup=<ours/flower> coordinator_peak_ratio=<..> rounds_ok=<n> rounds_asked=<n> tls_ceiling_mb_s_per_hop=<..>`
 """

@@ -26,17 +26,6 @@ startup with our own imports, handler, return), median over every site's message
 Last line: `RESULT ours_overhead_s=<median> flower_overhead_s=<median> overhead_ratio=<ours/flower>
 round_trips=<per site per round> msg_total_s=.. msg_launch_s=.. msg_startup_s=.. msg_app_import_s=..
 msg_handler_s=.. msg_return_s=..` (the msg_ fields with the message split only).
-
-Measured 2026-11-26 on the 2-core dev machine shared with other jobs (load 20-30), defaults:
-  before (main at 60f45b2)  RESULT ours_overhead_s=37.29 flower_overhead_s=41.35 overhead_ratio=0.90
-                            again after the "after" run: ours_overhead_s=27.79 flower_overhead_s=32.12
-                            overhead_ratio=0.87
-  after (this split, lazy attestation imports, SuperExec poll 0.2 s)
-                            RESULT ours_overhead_s=28.63 flower_overhead_s=24.63 overhead_ratio=1.16
-                            msg_total_s=11.61 msg_launch_s=0.90 msg_startup_s=7.32
-                            msg_app_import_s=0.45 msg_handler_s=0.69 msg_return_s=3.20
-Round times move by several seconds between runs at this load; the changes are below that noise
-(our import 0.10 -> 0.08 s of CPU per message; Flower's own import is 0.63 s).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from site_trainer.pii.config import PiiConfig
 from site_trainer.privacy.config import PrivacyConfig
+from site_trainer.workload_loader import check_site, check_workload, merge_options
 
 
 class StrictModel(BaseModel):
@@ -77,8 +78,6 @@ class WorkloadConfig(StrictModel):
         cfg = handler(data)
         cfg._check_form()
         if not defaulted:
-            from site_trainer.workload_loader import check_workload
-
             check_workload(cfg)
         return cfg
 
@@ -199,17 +198,6 @@ def check_privacy_workload(workload: WorkloadConfig, site: SiteConfig) -> None:
                          "(workload.task) on this site, or set privacy.enabled: false")
 
 
-def merge_options(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    """`override` over `base`: nested mappings merged key by key, anything else replaced."""
-    out = dict(base)
-    for key, value in override.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = merge_options(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
 class TrainerConfig(StrictModel):
     """Everything one site trainer service needs: written by the launcher, read by every rank."""
 
@@ -229,8 +217,6 @@ class TrainerConfig(StrictModel):
                              "config's rounds (the launcher passes federation.rounds)")
         if self.site.privacy.enabled:
             check_privacy_workload(self.workload, self.site)
-        from site_trainer.workload_loader import check_site
-
         check_site(self.workload, self.site)
         return self
 

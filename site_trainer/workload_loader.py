@@ -15,17 +15,34 @@ import inspect
 from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import BaseModel, ValidationError
 
 if TYPE_CHECKING:
     import torch.nn as nn
 
-    from site_trainer.config import SiteConfig, WorkloadConfig
     from site_trainer.workload import Task, TaskContext
 
 GROUP = "sovereign_fl.workloads"
+
+
+class WorkloadFields(Protocol):
+    """What the loader reads of a workload's configuration (site_trainer.config.WorkloadConfig,
+    whose validators call this module)."""
+
+    task: str | None
+    options: dict[str, Any]
+    script: str | None
+    model: str | None
+
+
+class SiteFields(Protocol):
+    """What the loader reads of a site's configuration (site_trainer.config.SiteConfig)."""
+
+    id: str
+    script: str | None
+    workload_options: dict[str, Any]
 
 
 class WorkloadError(ValueError):
@@ -137,7 +154,7 @@ def model_factory(ref: str) -> Callable[[dict[str, Any]], nn.Module]:
     return factory
 
 
-def check_workload(cfg: WorkloadConfig) -> None:
+def check_workload(cfg: WorkloadFields) -> None:
     """Everything about the workload that can be checked without a site: the task imports, is a
     complete Task and accepts `options`; or the script's model factory imports."""
     if cfg.task is not None:
@@ -146,10 +163,8 @@ def check_workload(cfg: WorkloadConfig) -> None:
         model_factory(cfg.model or "")
 
 
-def check_site(cfg: WorkloadConfig, site: SiteConfig) -> None:
+def check_site(cfg: WorkloadFields, site: SiteFields) -> None:
     """One site's view of the workload: its merged options, or the script on this machine."""
-    from site_trainer.config import merge_options
-
     if site.script is not None and not Path(site.script).is_file():
         raise WorkloadError(f"sites[{site.id}].script: {site.script} does not exist on this machine; give the path of "
                             "the site's torchrun script (relative paths are resolved from the config file's directory)")
@@ -164,14 +179,14 @@ def check_site(cfg: WorkloadConfig, site: SiteConfig) -> None:
                             "of the torchrun script (relative paths are resolved from the directory sovfl runs in)")
 
 
-def check_sites(cfg: WorkloadConfig, sites: list[SiteConfig]) -> None:
+def check_sites(cfg: WorkloadFields, sites: list[SiteFields]) -> None:
     """`check_site` for every site: for the federation's schema, so that a bad per-site option is
     refused when the file is loaded rather than when that site's trainer starts."""
     for site in sites:
         check_site(cfg, site)
 
 
-def build_task(cfg: WorkloadConfig, ctx: TaskContext, options: dict[str, Any] | None = None) -> Task:
+def build_task(cfg: WorkloadFields, ctx: TaskContext, options: dict[str, Any] | None = None) -> Task:
     """An instance of the configured task for `ctx` (options: the site's merged options)."""
     if cfg.task is None:
         raise WorkloadError("this workload is a script (workload.script): it has no Task to build")
@@ -184,3 +199,14 @@ def build_task(cfg: WorkloadConfig, ctx: TaskContext, options: dict[str, Any] | 
         raise
     except ValueError as err:  # a task refuses what its options point at (a model directory, a data glob)
         raise WorkloadError(f"task {cfg.task!r} on site {ctx.site}: {err}") from None
+
+
+def merge_options(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """`override` over `base`: nested mappings merged key by key, anything else replaced."""
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge_options(out[key], value)
+        else:
+            out[key] = value
+    return out

@@ -58,8 +58,8 @@ def coordinator_start(cfg: WorkloadConfig, seed: int) -> tuple[dict[str, np.ndar
 
 def _take_exchanged(entries: dict, names: list[str]) -> dict[str, np.ndarray]:
     """Each exchanged tensor as an array of its own, its tensor's memory released as soon as no later
-    name shares it (tied weights do), so the coordinator never holds the model twice (issue 19: at
-    101M parameters the start-up was its peak, 1.75 x the model above a tiny one)."""
+    name shares it (tied weights do), so the coordinator never holds the model twice (the start-up
+    is otherwise its peak)."""
     left = Counter(entries[n].untyped_storage().data_ptr() for n in names)
     out = {}
     for name in names:

@@ -8,8 +8,8 @@ feedback) is SIGKILLed by a schedule drawn from --seed, at random moments of its
 is doing (a SecAgg stage, the train stage, aggregation, the checkpoint write, the metrics line); each
 kill line names the stage the coordinator entered last (stages are announced on entry). Aggregation and the checkpoint write last
 milliseconds, which a random moment seldom hits, so in a share of the attempts (--target-share) the
-coordinator kill is aimed at one of them: the ServerApp's stage hook (federation/coordinator/
-stage_hook.py) holds it on entering that stage of a round drawn from the seed, and it is killed
+coordinator kill is aimed at one of them: the ServerApp's stage hook (federation/protocol/
+testing_hooks.py) holds it on entering that stage of a round drawn from the seed, and it is killed
 there. Each kill hits one of:
 - the coordinator (ServerApp, SuperLink and SuperExec): the run goes on with `sovfl simulate --resume`;
 - a site's SuperNode, or one of a site's trainer ranks: nothing is done by hand, the run's site
@@ -23,7 +23,7 @@ What equality means. A site that is down misses the rounds it is down for, so th
 final model is legitimately not the one of a run where nothing died. The reference is therefore
 run after the killed one, uninterrupted, with the same seed and with each site told to sit out
 exactly the rounds it missed in the killed run (node config `absent-rounds`,
-federation/site/fault_hooks.py): both runs then aggregate the same sites in every round, and
+federation/protocol/testing_hooks.py): both runs then aggregate the same sites in every round, and
 final_hash_equal compares their final global models bit for bit. That equality shows coordinator
 resumes are exact (a rerun SecAgg round has fresh keys and masks, and each site encodes from the
 residual its first attempt started from) and restarted sites contribute exactly the update an
@@ -100,7 +100,7 @@ def sovfl(args: list[str], marker: str, extra_env: dict[str, str] | None = None)
 
 
 def current_stage(hook: Path, since: int) -> tuple[str, str]:
-    """(round and stage, stage) the coordinator announced last (federation/coordinator/stage_hook.py),
+    """(round and stage, stage) the coordinator announced last (federation/protocol/testing_hooks.py),
     "start-up" when it announced none after the first `since` entries (the earlier attempts')."""
     entries = stage_entries(hook)
     if len(entries) <= since:

@@ -50,7 +50,7 @@ def kill_coordinator(run: Path, marker: str) -> list[tuple[int, bytes]]:
     return victims
 
 
-# ---- site side (issue 13): a site's trainer rank and its SuperNode ---------------------------------
+# ---- site side: a site's trainer rank and its SuperNode ---------------------------------
 
 def _args(pid: int) -> list[bytes]:
     return Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
@@ -121,17 +121,17 @@ def wait_rounds(run: Path, rounds: list[int], proc, timeout_s: float = 400.0) ->
         time.sleep(0.1)
 
 
-# ---- kills inside a given stage (the coordinator's test hook, federation/coordinator/stage_hook.py) ----
+# ---- kills inside a given stage (the coordinator's test hook, federation/protocol/testing_hooks.py) ----
 
 
 def stage_hook_env(hook_file: Path, pause: str = "") -> dict[str, str]:
     """Environment that makes the ServerApp announce every stage it enters to `hook_file` and, with
     `pause` ("<round>:<stage prefix>", e.g. "2:secagg stage 4"), wait there to be killed."""
-    from federation.coordinator import stage_hook
+    from federation.protocol import testing_hooks
 
-    env = {stage_hook.HOOK: str(hook_file)}
+    env = {testing_hooks.STAGE_HOOK: str(hook_file)}
     if pause:
-        env[stage_hook.PAUSE] = pause
+        env[testing_hooks.STAGE_PAUSE] = pause
     return env
 
 

@@ -30,7 +30,7 @@ def test_the_checkpoint_is_written_while_the_next_round_runs_and_before_it_aggre
     coord.background_checkpoints = True
     events: list[str] = []
     release, settling = threading.Event(), threading.Event()
-    real_save, real_settle = coord.checkpoints.save, coord.settle_checkpoint
+    real_save, real_settle = coord.checkpoints.save, coord.wait_for_checkpoint
     real_aggregate = coord.protocol.aggregate_masked_input
 
     def save(rnd, arrays, state):
@@ -49,7 +49,7 @@ def test_the_checkpoint_is_written_while_the_next_round_runs_and_before_it_aggre
         events.append(f"aggregate {st.inp.round}")
         real_aggregate(st, result)
 
-    coord.checkpoints.save, coord.settle_checkpoint = save, settle
+    coord.checkpoints.save, coord.wait_for_checkpoint = save, settle
     coord.protocol.aggregate_masked_input = aggregate
 
     line1 = coord.run_round(1)
@@ -66,7 +66,7 @@ def test_the_checkpoint_is_written_while_the_next_round_runs_and_before_it_aggre
     release.set()
     second.join(60)
     assert events == ["aggregate 1", "settle", "saved 1", "aggregate 2", "aggregated"]
-    coord.settle_checkpoint()
+    coord.wait_for_checkpoint()
     assert coord.checkpoints.rounds() == [2, 1]
     # the checkpoint of round 1 holds round 1's model (round 2 changed it in memory afterwards)
     ckpt = coord.checkpoints.load(1)
@@ -91,6 +91,6 @@ def test_a_failed_background_write_is_raised_at_the_next_wait(tmp_path):
     coord.checkpoints.save = save
     assert coord.run_round(1)["status"] == "aggregated"
     with pytest.raises(CheckpointError, match="disk full"):
-        coord.settle_checkpoint()
+        coord.wait_for_checkpoint()
     assert _lines(coord) == []  # no metrics line for a round without a checkpoint
-    coord.settle_checkpoint()  # raised once
+    coord.wait_for_checkpoint()  # raised once

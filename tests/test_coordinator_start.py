@@ -1,6 +1,6 @@
 """The coordinator's initial model (site_trainer.workloads.coordinator_start): the same arrays as
-before, each its own copy, and built without holding the model twice (issue 19's memory target:
-the start-up was the ServerApp's peak, 1.75 x the model above a tiny one)."""
+a plain copy of a fresh build, each its own copy, and built without holding the model twice (the start-up
+is otherwise the ServerApp's peak)."""
 
 from __future__ import annotations
 

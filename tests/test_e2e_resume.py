@@ -5,7 +5,7 @@ run's with the same seed, every round is in metrics.jsonl exactly once, no proce
 and the interrupted SecAgg round is rerun with fresh key material (another SecAgg context, every
 site's setup new). One uninterrupted run is the reference of both tests.
 
-The kill lands in the stage through the ServerApp's test hook (federation/coordinator/stage_hook.py:
+The kill lands in the stage through the ServerApp's test hook (federation/protocol/testing_hooks.py:
 it announces each stage it enters and waits there to be killed). The runs are bit-for-bit
 comparable because digits rounds are deterministic, the stochastic rounding of the codec and of
 SecAgg's fixed point is seeded by site and round (test hook SOVFL_TEST_CODEC_SITE_SEED; production

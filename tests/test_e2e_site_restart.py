@@ -43,7 +43,7 @@ def _cli(*args: str, env: dict) -> subprocess.Popen:
 
 def _held_run(tmp_path: Path, marker: str, config: Path, pause: str, meanwhile, *args: str) -> tuple[Path, str]:
     """`sovfl simulate config` whose coordinator is held on entering `pause` ("<round>:<stage>",
-    stage_hook.py) until `meanwhile(run, hook, proc)`, called once round 1 is done, returns; the
+    protocol/testing_hooks.py) until `meanwhile(run, hook, proc)`, called once round 1 is done, returns; the
     run directory and the output of the run, which must end with status 0."""
     run, hook = tmp_path / "run", tmp_path / "stages.jsonl"
     proc = sovfl_popen("simulate", str(config), *args, "--workdir", str(run),

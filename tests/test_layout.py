@@ -6,7 +6,9 @@ neither; only ops/ (CLI, launcher, the in-process federation) joins them. Below 
 imports neither torch nor flwr, site_trainer/ never imports flwr or federation, and the ClientApp's
 import path (everything federation/site/client_app.py reaches) stays free of torch: Flower starts one
 ClientApp process per message. Imports are read with `ast`, lazy ones inside functions included, so
-a rule cannot be dodged by importing late.
+a rule cannot be dodged by importing late. No two of our modules import each other, directly or
+through others (an import cycle), and the coordinator's parts never import its driver: they are
+handed what they need.
 """
 
 from __future__ import annotations
@@ -107,6 +109,13 @@ def test_no_forbidden_import_anywhere():
     assert not found, f"{len(found)} forbidden import(s):\n" + "\n".join(found)
 
 
+def write_tree(root: Path, files: dict[str, str]) -> None:
+    """A source tree under `root`: relative path -> text."""
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+
+
 def test_the_checker_catches_each_kind_of_forbidden_import(tmp_path):
     """A tree with one violation of each rule: every one is reported (the check cannot pass vacuously)."""
     files = {
@@ -124,9 +133,7 @@ def test_the_checker_catches_each_kind_of_forbidden_import(tmp_path):
         "crypto/__init__.py": "import flwr\n",
         "site_trainer/__init__.py": "from flwr.app import Message\n",
     }
-    for rel, text in files.items():
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text(text)
+    write_tree(tmp_path, files)
     found = "\n".join(violations(tmp_path))
     for needle in ("federation/site/bad.py: imports federation.coordinator.driver",
                    "federation/coordinator/bad.py: imports federation.site",
@@ -136,6 +143,92 @@ def test_the_checker_catches_each_kind_of_forbidden_import(tmp_path):
                    "site_trainer/__init__.py: imports flwr.app",
                    "federation/site/helper.py: imports torch.nn (the ClientApp's import path"):
         assert needle in found, found
+
+
+def module_imports(path: Path, root: Path, modules: dict[str, Path]) -> set[str]:
+    """The in-tree modules `path` imports (`from pkg import mod` is pkg.mod when that is a module)."""
+    name = module_name(path, root)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names if alias.name in modules)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                out.update([full] if full in modules else [base] if base in modules else [])
+    out.discard(name)
+    return out
+
+
+def import_cycles(root: Path) -> list[list[str]]:
+    """Every group of modules that import one another, directly or through others (Tarjan's
+    strongly connected components of the import graph, of more than one module)."""
+    modules = source_modules(root)
+    graph = {name: module_imports(path, root, modules) for name, path in modules.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for name in sorted(graph):
+        if name not in index:
+            visit(name)
+    return sorted(found)
+
+
+def test_no_import_cycle():
+    cycles = import_cycles(ROOT)
+    assert not cycles, "modules that import each other:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_checker_catches_an_import_cycle(tmp_path):
+    files = {
+        "federation/__init__.py": "",
+        "federation/a.py": "from federation import b\n",
+        "federation/b.py": "def f():\n    from .c import g\n",
+        "federation/c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from federation.a import x\n",
+        "federation/d.py": "from federation import a\n",
+    }
+    write_tree(tmp_path, files)
+    assert import_cycles(tmp_path) == [["federation.a", "federation.b", "federation.c"]]
+
+
+def test_the_coordinators_parts_never_import_the_driver():
+    """The driver holds the parts (roster, exchange, run state, hooks, strategies); only the
+    ServerApp, which starts it, imports it."""
+    modules = source_modules(ROOT)
+    driver = "federation.coordinator.driver"
+    found = [name for name, path in modules.items() if _within(name, "federation.coordinator")
+             and name not in (driver, "federation.coordinator.server_app")
+             and driver in module_imports(path, ROOT, modules)]
+    assert not found, f"import the driver: {found}"
 
 
 def test_client_app_import_loads_no_torch():

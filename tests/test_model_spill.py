@@ -1,5 +1,5 @@
 """The global model on disk while a SecAgg+ round holds its ring (federation/coordinator/model_spill.py,
-issue 19's coordinator memory): the step written into the mean's (the ring's) arrays is the
+the coordinator's memory at scale): the step written into the mean's (the ring's) arrays is the
 in-place step bit for bit, a round that takes no step gets its model back in memory, and the
 coordinator side of a real SecAgg+ round holds the ring, not the ring and the model."""
 

@@ -1,4 +1,4 @@
-"""SecAgg+ masking from the trainer's hand-off file, a chunk at a time, into a file (issue 19): the
+"""SecAgg+ masking from the trainer's hand-off file, a chunk at a time, into a file: the
 masked chunks, their manifest and the unmasked sum are bit for bit those of masking the update whole
 (real crypto, real server), an update with NaN or Inf is refused before any mask is drawn, and the
 masked upload of a ~300 MiB update runs in a fresh process within the chunk window's memory (a

@@ -1,4 +1,4 @@
-"""The ClientApp's transfers as streams (issue 19): the update sealed from the trainer's hand-off file
+"""The ClientApp's transfers as streams: the update sealed from the trainer's hand-off file
 a chunk window at a time opens on the coordinator exactly like one sealed whole, every check kept
 (signature, seal, digest, round); the downloaded model's file is handed to the trainer as it is;
 and the whole site-side transfer of a ~400 MB update and model (seal, upload, download into

@@ -1,4 +1,4 @@
-"""The coordinator's fold from spilled updates (issue 19's memory target): the same mean as the
+"""The coordinator's fold from spilled updates (the coordinator's memory at scale): the same mean as the
 in-memory WeightedMean bit for bit, independent of arrival order, FedAvg applied in place, and
 sealed updates opened chunk by chunk with a tampered chunk leaving nothing in the sum. Real
 provisioned keys, real envelopes, real PlainRound."""

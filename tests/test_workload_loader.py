@@ -169,7 +169,7 @@ def test_readme_task_is_complete(tmp_path, monkeypatch):
 
 
 def test_slm_in_bfloat16_builds_trains_and_exchanges_bf16_weights():
-    """`dtype: bfloat16` (issue 19's 500M run): every weight is bf16 as built (never whole in
+    """`dtype: bfloat16` (a large run's setting): every weight is bf16 as built (never whole in
     float32), a loss and its gradients are finite, and the weights travel as raw bf16 words."""
     from site_trainer import layout
 

@@ -27,7 +27,7 @@ class WeightedMean:
     """Σ n_i·u_i / Σ n_i, accumulated one update at a time in float64 (so the float32 result does not
     depend on the order the updates arrive in, in practice), slice by slice, so that folding an
     update in allocates nothing of its size: the coordinator holds the float64 sum and the one
-    update being folded (issue 19's memory model)."""
+    update being folded."""
 
     def __init__(self) -> None:
         self._sum: Arrays = {}

@@ -77,8 +77,8 @@ class BulkPath:
         """The ArrayRecord that carries `arrays` to a direct site, and the bytes it stands for: the
         record `outgoing` makes of `to_array`'s record (the same references, to the same blob),
         but the large arrays' .npy bytes are written into the offer file tensor by tensor, so
-        the serialized model is never in memory whole (issue 19: it was 1 x the model on top of
-        the model while the round's messages were built). None if the file cannot be written
+        the serialized model is never in memory whole beside the model while the round's messages
+        are built. None if the file cannot be written
         (the caller serializes the arrays whole, as for a site reached through Flower)."""
         writer = BlobWriter(str(self.server.dir / f"offer-new-{next(_written)}"), CHUNK)
         entries: list[tuple[str, Array | tuple[str, tuple, int, int]]] = []

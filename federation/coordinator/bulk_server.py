@@ -37,9 +37,8 @@ from federation.protocol import bulk_rpc as rpc
 from federation.protocol.bulk import Blob, BulkRefused
 from federation.protocol.malloc_policy import trim_freed
 
-# gRPC's threads free a chunk-sized message per step, and glibc kept the pages in their arenas: in a
-# 101M-parameter run, about 450 MB of the ServerApp's peak appeared with the uploads and stayed until
-# the round ended (issue 19's coordinator memory). A trim every few chunks gives them back.
+# gRPC's threads free a chunk-sized message per step, and glibc keeps the pages in their arenas
+# until the round ends; a trim every few chunks gives them back.
 TRIM_EVERY = 8
 
 log = logging.getLogger("sovfl.bulk")
@@ -79,7 +78,7 @@ class BulkServer:
         self.bytes_in = self.bytes_out = 0
         self._landed = 0  # chunks written, all uploads: every TRIM_EVERY of them, glibc gives freed pages back
         self._lock = threading.Lock()
-        # site, round, figures: a site's evaluation of the round's model before its reply (driver.py)
+        # site, round, figures: a site's evaluation of the round's model before its reply (round_hooks.EvalHook.report)
         self.on_report: Callable[[str, int, dict[str, float]], None] | None = None
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bulk"),
                                    options=rpc.SERVER_OPTIONS)

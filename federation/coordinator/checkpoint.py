@@ -93,7 +93,7 @@ _ST_RANK = {c: i for i, c in enumerate(("BOOL", "U8", "I8", "I16", "U16", "F16",
 
 def write_arrays(path: Path, arrays: Mapping[str, np.ndarray]) -> dict:
     """`encode_arrays`' file written tensor by tensor, never as one buffer of the model's size (the
-    coordinator's memory at scale, issue 19): the safetensors layout (8-byte header length, JSON
+    coordinator's memory at scale): the safetensors layout (8-byte header length, JSON
     header padded with spaces to 8 bytes, the tensors' bytes in the header's order, which is
     safetensors' own: by dtype, then name), the same bytes as `encode_arrays`, fsynced; its manifest
     entry."""

@@ -1,10 +1,10 @@
 """The round's checkpoint written off the round's critical path, on a thread of its own.
 
-A checkpoint of a 28M-parameter DiLoCo run (model, momentum buffer, downlink reference: about
-340 MB, SHA-256'd and fsynced) took 2-8 s of every round of the WAN benchmark, with the sites
-idle. The driver (`Coordinator.commit_line`) now takes the checkpoint's snapshot on its own
-thread (resume.checkpoint_job: the JSON state serialized, the arrays by reference) and hands the
-write, then the round's metrics line, to `CheckpointWriter`; the next round starts at once. The
+A checkpoint (model, momentum buffer, downlink reference, SHA-256'd and fsynced) takes seconds
+at size, and the sites would idle through it. So the run's log (run_log.RunLog.commit) takes the
+checkpoint's snapshot on the driver's thread (resume.checkpoint_job: the JSON state serialized,
+the arrays by reference) and hands the write, then the round's metrics line, to
+`CheckpointWriter`; the next round starts at once. The
 next round waits for the write (`wait`) before anything it does could change what is being
 written or need it on disk: when its first stage's replies are in (before they are aggregated:
 the model and the optimizer's state change only after that) and before the run ends. So:
@@ -15,8 +15,7 @@ the model and the optimizer's state change only after that) and before the run e
   before, and the resume reruns two rounds instead of one: the sites keep the residuals of their
   last 3 rounds for exactly that (federation/site/site_store.py), and every rerun round is a
   fresh SecAgg+ round;
-- an error of the write (a full disk) is raised on the driver's thread at the next `wait`, as it
-  was raised by the write itself before.
+- an error of the write (a full disk) is raised on the driver's thread at the next `wait`.
 """
 
 from __future__ import annotations

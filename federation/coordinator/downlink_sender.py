@@ -146,6 +146,22 @@ class DownlinkSender:
         if isinstance(digest, str) and digest:
             self.held[node] = digest
 
+    def target(self, model: Arrays) -> dict:
+        """With a codec, the digest of the model the next message sends (DOWNLINK_TARGET), the
+        reference first following `model` (one step per new model): a site that already holds it
+        says so at discovery and is not sent it (site/downlink_mod.py)."""
+        if self.codec is None:
+            return {}
+        self.update(model)
+        return {keys.DOWNLINK_TARGET: self.digest} if self.digest else {}
+
+    def enrolled(self, node: int, site: str, status: Mapping, progress: Callable[[str], None]) -> None:
+        """`node` took `site` at discovery: what it holds (`heard`), said when it is the global model."""
+        self.heard(node, status)
+        if self.codec is not None and status.get(keys.MODEL_DIGEST) == self.digest:
+            progress(f"site {site} already holds the global model ({self.digest}): its next message "
+                     "does not carry it")
+
     def round_metrics(self) -> dict:
         """This round's downlink line (and reset): bytes per site from the records sent, the dense
         float32 bytes the same messages would have carried, their ratio, and the modes used."""

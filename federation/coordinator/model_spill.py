@@ -1,7 +1,7 @@
-"""The global model on disk while a SecAgg+ round holds its ring (issue 19's coordinator memory).
+"""The global model on disk while a SecAgg+ round holds its ring (the coordinator's memory at scale).
 
-A SecAgg+ round's sum is a ring of P + 1 words, as large as the float32 model; holding both was 2 x
-the model. Once the round's train messages are built (the model went into the data path's offer
+A SecAgg+ round's sum is a ring of P + 1 words, as large as the float32 model; holding both would be
+2 x the model. Once the round's train messages are built (the model went into the data path's offer
 file or into Flower's serialized records), the model is not read again until FedAvg's step, so it
 is written to a file and its tensors are replaced, in the driver's own dict, by read-only maps of
 that file (`spill_model`): through the sites' uploads and while the ring exists, the coordinator

@@ -3,10 +3,10 @@ maybe sealed; not masked). Every update is decoded through the coordinator's sid
 (open the envelope, then decode the codec), checked, and folded into a running weighted mean as
 soon as it is pulled, so the coordinator holds O(P) memory however many sites answer.
 
-Memory (issue 19): every checked update goes to a file of its own (spilled_mean.py) and the mean
+Memory: every checked update goes to a file of its own (spilled_mean.py) and the mean
 is folded from the files once the stage is over. A dense update in a signed or sealed envelope
 (no codec: the case at size) is opened chunk by chunk straight into its file, never held whole;
-a codec's payload (int8, top-k, ...) is decoded in memory as before, then spilled.
+a codec's payload (int8, top-k, ...) is decoded in memory, then spilled.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ to that (README, "Time to loss across wide-area links"). `Folds` runs a step's `
 small pool instead, one reply per thread, while the driver goes on pulling: hashing, AES and
 numpy's loops release the GIL, so the folds overlap each other and the pulls. At most `workers`
 replies are held (pulled and not yet folded); the driver pulls no further reply until one is
-done, so memory stays bounded as with one (`workers` = 1 folds inline on the driver's thread,
-as before).
+done, so memory stays bounded as with one (`workers` = 1 folds inline on the driver's
+thread).
 
 Each fold's span (start, end, seconds after the stage's push began) is kept by site: the stage's
 `receive_s` is the time any fold ran (their union), `receive_busy_s` their sum.

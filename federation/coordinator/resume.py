@@ -1,6 +1,6 @@
 """Resume a run from its last completed round (`sovfl coordinator --resume`, `sovfl simulate --resume`).
 
-After every round (aggregated or skipped) the driver writes the round's checkpoint
+After every round (aggregated or skipped) the driver writes the round's checkpoint of its `RunState`
 (`checkpoint_job`: on a thread of its own while the next round goes on, checkpoint_writer.py),
 before the round's metrics line reaches metrics.jsonl. The checkpoint (checkpoint.py) holds everything the next
 round depends on, so a resumed run is the run that would have happened:
@@ -41,20 +41,19 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from crypto.durable import write_atomic
 from federation.config.schema import ConfigError
 from federation.coordinator.checkpoint import Checkpoint, CheckpointError, CheckpointStore
+from federation.coordinator.run_state import RunState
 from federation.protocol.codecs.base import Encoded
 from federation.protocol.downlink_steps import Step, model_digest
 from federation.protocol.update_codec import round_seed
-
-if TYPE_CHECKING:
-    from federation.coordinator.driver import Coordinator
 
 RESUMABLE = ("federation.deadlines", "federation.checkpoint_keep", "federation.site_restarts",
              "federation.data_path", "federation.receive_workers")  # may differ on resume
@@ -114,8 +113,8 @@ def check_config(saved: dict, current: dict) -> list[str]:
 
 
 # ---- writing ---------------------------------------------------------------------------------
-def _downlink_arrays(coord: "Coordinator") -> tuple[dict, dict]:
-    dl = coord.downlink
+def _downlink_arrays(state: RunState) -> tuple[dict, dict]:
+    dl = state.downlink
     arrays: dict[str, np.ndarray] = {}
     if dl.reference is not None:
         arrays.update({f"reference/{k}": v for k, v in dl.reference.items()})
@@ -124,50 +123,49 @@ def _downlink_arrays(coord: "Coordinator") -> tuple[dict, dict]:
         arrays.update({f"step{i}/{k}": v for k, v in step.encoded.arrays.items()})
         steps.append({"base": step.base, "meta": dict(step.encoded.meta), "arrays": list(step.encoded.arrays)})
     state = {"spec": dl.spec, "digest": dl.digest, "version": dl.version, "steps": steps,
-             "reference": dl.reference is not None, "current": dl._source is coord.model}
+             "reference": dl.reference is not None, "current": dl._source is state.model}
     return arrays, state
 
 
-def checkpoint_job(coord: "Coordinator", rnd: int) -> Callable[[], Path]:
-    """Round `rnd`'s checkpoint as the run holds it now (its metrics line is the last of
-    `coord.history`); the returned call writes it, on the driver's thread or on one of its own
-    (driver.py, `CheckpointWriter`). What the next round changes before it waits for the write is
+def checkpoint_job(state: RunState, rnd: int, cfg, run_id: int, store: CheckpointStore) -> Callable[[], Path]:
+    """Round `rnd`'s checkpoint of `state` as it is now (its metrics line is the last of
+    `state.history`) into `store`; the returned call writes it, on the driver's thread or on one of its own
+    (run_log.py, `CheckpointWriter`). What the next round changes before it waits for the write is
     copied here: the JSON state (serialized now), the lists of arrays. The arrays themselves are
     taken as they are: the model and the optimizer's state change only when the next round's
     mean update is applied, and the driver waits for the write before that; the downlink's
     reference and steps are replaced, never written into, when the next model goes out."""
-    down_arrays, down_state = _downlink_arrays(coord)
-    arrays = {"model": dict(coord.model), "optimizer": dict(coord.opt.state())}
+    down_arrays, down_state = _downlink_arrays(state)
+    arrays = {"model": dict(state.model), "optimizer": dict(state.opt.state())}
     if down_arrays:
         arrays["downlink"] = down_arrays
-    seed = coord.fed.seed
-    state = json.loads(json.dumps({
+    seed = cfg.federation.seed
+    doc = json.loads(json.dumps({
         "round": rnd,
-        "rounds": coord.fed.rounds,
-        "config": config_document(coord.cfg),
+        "rounds": cfg.federation.rounds,
+        "config": config_document(cfg),
         "seed_schedule": {"seed": seed, "round_seeds": [round_seed(seed, r) for r in range(1, rnd + 1)]},
-        "rejections": dict(coord.rejections),
+        "rejections": dict(state.rejections),
         "downlink": down_state,
-        "metrics": coord.history,
-        "flower_run_id": int(coord.run_id),
+        "metrics": state.history,
+        "flower_run_id": int(run_id),
     }))
-    store = coord.checkpoints
 
     def write() -> Path:
-        state["model_digest"] = model_digest(arrays["model"])
-        return store.save(rnd, arrays, state)
+        doc["model_digest"] = model_digest(arrays["model"])
+        return store.save(rnd, arrays, doc)
 
     return write
 
 
-def checkpoint_round(coord: "Coordinator", rnd: int) -> Path:
-    """Checkpoint the run after round `rnd` (its metrics line is the last of `coord.history`)."""
-    return checkpoint_job(coord, rnd)()
+def checkpoint_round(state: RunState, rnd: int, cfg, run_id: int, store: CheckpointStore) -> Path:
+    """Checkpoint the run after round `rnd` (its metrics line is the last of `state.history`)."""
+    return checkpoint_job(state, rnd, cfg, run_id, store)()
 
 
 # ---- reading ---------------------------------------------------------------------------------
-def _restore_downlink(coord: "Coordinator", arrays: dict, st: dict) -> None:
-    dl = coord.downlink
+def _restore_downlink(state: RunState, arrays: dict, st: dict) -> None:
+    dl = state.downlink
     if st.get("spec") != dl.spec:
         raise ResumeRefused(f"checkpointed downlink codec {st.get('spec')!r} is not {dl.spec!r}")
     if st.get("reference"):
@@ -177,10 +175,10 @@ def _restore_downlink(coord: "Coordinator", arrays: dict, st: dict) -> None:
                 for i, s in enumerate(st.get("steps", []))]
     if dl.reference is not None and model_digest(dl.reference) != dl.digest:
         raise CheckpointError("the downlink reference does not match its recorded digest")
-    dl._source = coord.model if st.get("current") else None
+    dl._source = state.model if st.get("current") else None
 
 
-def _check_seeds(coord: "Coordinator", sched: dict) -> None:
+def _check_seeds(sched: dict) -> None:
     seeds = sched.get("round_seeds", [])
     ours = [round_seed(int(sched.get("seed", 0)), r) for r in range(1, len(seeds) + 1)]
     if seeds != ours:
@@ -189,31 +187,33 @@ def _check_seeds(coord: "Coordinator", sched: dict) -> None:
                             f"from round {first} on (another version of sovereign-fl?)")
 
 
-def restore(coord: "Coordinator", ckpt: Checkpoint) -> None:
-    """Put `ckpt` into `coord`: model, optimizer, downlink, counters, history; rewrite metrics.jsonl."""
+def restore(state: RunState, ckpt: Checkpoint, cfg, spec: dict, metrics_path: Path,
+            progress: Callable[[str], None]) -> RunState:
+    """`state` with `ckpt` put into it: model, optimizer, downlink, counters, history (the optimizer
+    and the downlink sender restored in place); metrics.jsonl at `metrics_path` rewritten.
+    `spec`: the workload's tensors (name -> dtype, shape), which the checkpoint's must be."""
     st = ckpt.state
-    changed = check_config(st.get("config", {}), config_document(coord.cfg))
+    changed = check_config(st.get("config", {}), config_document(cfg))
     if changed:
-        coord.progress(f"resume: accepted changes to {', '.join(changed)} (they do not enter the computation)")
-    _check_seeds(coord, st.get("seed_schedule", {}))
+        progress(f"resume: accepted changes to {', '.join(changed)} (they do not enter the computation)")
+    _check_seeds(st.get("seed_schedule", {}))
     model = ckpt.arrays.get("model", {})
-    spec = {k: (v.dtype.str, tuple(v.shape)) for k, v in model.items()}
-    if spec != coord.spec:
+    if {k: (v.dtype.str, tuple(v.shape)) for k, v in model.items()} != spec:
         raise ResumeRefused("cannot resume: the checkpointed model's tensors (names, dtypes or shapes) are not the "
                             "workload's")
     if model_digest(model) != st.get("model_digest"):
         raise CheckpointError(f"{ckpt.path.name}: the model does not match its recorded digest")
-    coord.model = model
-    coord.opt.load_state(ckpt.arrays.get("optimizer", {}))
-    _restore_downlink(coord, ckpt.arrays.get("downlink", {}), st.get("downlink", {}))
-    coord.rejections = Counter(st.get("rejections", {}))
-    coord.history = list(st.get("metrics", []))
-    coord.aggregated = {int(line["round"]): sorted(line.get("sites", {})) for line in coord.history
-                        if line.get("status") == "aggregated"}  # error feedback goes on from these rounds
-    coord.start_round = ckpt.round + 1
-    dropped = write_metrics(coord.metrics_path, coord.history)
+    history = list(st.get("metrics", []))
+    state = replace(state, model=model, rejections=Counter(st.get("rejections", {})), history=history,
+                    aggregated={int(line["round"]): sorted(line.get("sites", {})) for line in history
+                                if line.get("status") == "aggregated"},  # error feedback goes on from these rounds
+                    start_round=ckpt.round + 1)
+    state.opt.load_state(ckpt.arrays.get("optimizer", {}))
+    _restore_downlink(state, ckpt.arrays.get("downlink", {}), st.get("downlink", {}))
+    dropped = write_metrics(metrics_path, history)
     if dropped:
-        coord.progress(f"resume: dropped {dropped} metrics line(s) of round(s) after {ckpt.round}, which run again")
+        progress(f"resume: dropped {dropped} metrics line(s) of round(s) after {ckpt.round}, which run again")
+    return state
 
 
 def write_metrics(path: Path, history: list[dict]) -> int:
@@ -225,19 +225,22 @@ def write_metrics(path: Path, history: list[dict]) -> int:
     return max(0, before - len(history))
 
 
-def resume_run(coord: "Coordinator") -> None:
-    """Continue from the newest usable checkpoint (falling back past damaged ones, with a message);
-    a run with no checkpoint yet starts at round 1."""
-    ckpt = coord.checkpoints.latest()
+def resume_run(state: RunState, store: CheckpointStore, cfg, spec: dict, metrics_path: Path,
+               progress: Callable[[str], None]) -> RunState:
+    """`state` continued from the newest usable checkpoint in `store` (falling back past damaged
+    ones, with a message); a run with no checkpoint yet starts at round 1 (`state` as it is)."""
+    ckpt = store.latest()
     if ckpt is None:
-        coord.progress(f"resume: no checkpoint in {coord.checkpoints.directory}; starting at round 1")
-        write_metrics(coord.metrics_path, [])
-        return
-    restore(coord, ckpt)
-    left = coord.fed.rounds - ckpt.round
-    coord.progress(f"resume: continuing from {ckpt.path.name} (round {ckpt.round} of {coord.fed.rounds} done, "
-                   f"model {model_digest(coord.model)[:12]}); {max(0, left)} round(s) to go"
-                   + ("; the round in flight when the run stopped runs again from its start" if left > 0 else ""))
+        progress(f"resume: no checkpoint in {store.directory}; starting at round 1")
+        write_metrics(metrics_path, [])
+        return state
+    state = restore(state, ckpt, cfg, spec, metrics_path, progress)
+    rounds = cfg.federation.rounds
+    left = rounds - ckpt.round
+    progress(f"resume: continuing from {ckpt.path.name} (round {ckpt.round} of {rounds} done, "
+             f"model {model_digest(state.model)[:12]}); {max(0, left)} round(s) to go"
+             + ("; the round in flight when the run stopped runs again from its start" if left > 0 else ""))
+    return state
 
 
 def precheck(checkpoints: Path, cfg) -> int | None:

@@ -2,10 +2,10 @@
 
 A SuperLink under load answers some calls with HTTP 500 (`sqlite3.OperationalError: database is
 locked` with `--database`), and a restart or a proxy resets connections; flwr 1.41's HttpGrid
-raises either to the ServerApp, which ended the whole run on one such answer. Every call the
-driver makes goes through here instead: a transient error is retried with backoff (0.25 s
+raises either to the ServerApp, which would end the whole run on one such answer. Every call
+the driver makes goes through here: a transient error is retried with backoff (0.25 s
 doubling to 8 s) for up to `budget_s` from the call's start, each retry counted and said once per
-streak; anything else, or a SuperLink down past the budget, is raised as before (`--resume` then
+streak; anything else, or a SuperLink down past the budget, is raised (`--resume` then
 continues the run from its last checkpoint).
 
 Retrying a push may push a message twice if the failed attempt stored it; messages are content

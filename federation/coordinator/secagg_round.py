@@ -55,7 +55,7 @@ FedAvg's step writes the new model into the ring's own words, so the round never
 and the ring at once.
 
 Concurrency: stage 3's replies are checked and added on up to `receive_workers` threads at once
-(driver.py, reply_folds.py), so the three 63 MB replies of a WAN round no longer wait for one
+(exchange.py, reply_folds.py), so the large replies of a WAN round do not wait for one
 another. Each fold hashes, verifies and unpacks its own chunks unlocked, adds each chunk holding
 the accumulator's stripes it covers (`StripeLocks`), and updates the round's bookkeeping (replay
 guard, rejections, per-site metrics) under the state's lock. The sum is bit for bit the same in
@@ -194,8 +194,8 @@ class PendingSetups:
 def in_ring_mean(result: secagg.SecAggResult, spec: UpdateSpec) -> Arrays:
     """The dense mean update decoded into the unmasked sum's own P words (uint32 in, float32 out,
     one chunk at a time: each chunk is read whole before its words are written), the tensors
-    views of them: the coordinator holds the ring once, not the ring, a flat mean and its tensors
-    (issue 19's memory model). `result.ring_sum` is spent after this."""
+    views of them: the coordinator holds the ring once, not the ring, a flat mean and its tensors.
+    `result.ring_sum` is spent after this."""
     ring = result.ring_sum
     if ring.dtype.itemsize != 4 or not ring.flags.c_contiguous or ring.shape != (spec.numel + 1,):
         return spec.unflatten(result.decode())  # not 32-bit words: decode beside them
@@ -409,7 +409,7 @@ class SecAggRound:
         try:
             rec = check_reply(reply.message, MASKED_INPUT, st.ctx)
             # checked whole, then added chunk by chunk: one chunk's words at a time, and the pages of
-            # a reply resolved from the data path dropped as they are read (issue 19's memory model)
+            # a reply resolved from the data path dropped as they are read
             chunks = parse_chunks(reply.message, st.vector_len + 1, st.server.params.codec.bits, unpack=False)
             drop = PageDropper()
             manifest = ChunkManifest()

@@ -1,5 +1,5 @@
 """The round's sample-weighted mean, folded from updates kept on disk: the coordinator's memory at
-scale (issue 19) is the global model plus bounded windows, not the model plus a float64 sum plus
+scale is the global model plus bounded windows, not the model plus a float64 sum plus
 the update being folded.
 
 Each verified update is written to a file of its own as it arrives (a sealed one straight from

@@ -4,7 +4,7 @@ A strategy (PlainRound, SecAggRound, Admission, Evaluation) is a fixed sequence 
 state object of its own. Each step builds one stage's messages (`configure` -> an `Exchange`) and
 folds the replies (`receive`, one reply at a time as it is pulled, and/or `aggregate`, once the
 stage is over); `finish` turns the state into the strategy's outcome. A strategy never sees the
-Grid, the clock or the `Coordinator`: the driver (driver.py) owns sending, deadlines, byte counts,
+Grid, the clock or the `Coordinator`: the driver (driver.py, exchange.py) owns sending, deadlines, byte counts,
 the run-wide counters and the metrics line, so the same strategy runs over a real SuperLink, the
 in-process grid of simulations (federation/ops/inprocess.py) and the fakes of unit tests.
 

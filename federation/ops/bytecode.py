@@ -9,7 +9,7 @@ install only gets bytecode when Python may write it, and PYTHONDONTWRITEBYTECODE
 and container shells, forbids that, so nothing is ever cached. The launcher therefore compiles our
 packages once before it starts children: only missing or stale files (the same source mtime and
 size check Python makes when it loads them), silently, and never failing a launch: where the
-package directory is read-only the children simply compile in memory as before.
+package directory is read-only the children simply compile in memory.
 """
 
 from __future__ import annotations

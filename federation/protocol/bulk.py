@@ -205,8 +205,8 @@ class BlobWriter:
     taking the chunk digests as it goes: a window of `_DIGEST_WINDOW` chunks is hashed and written
     at once on the hash pool, so what is held is that window's views into the caller's buffers,
     never the blob. `finish()` gives the `Blob`, served from the file; the same blob, chunk for
-    chunk and digest for digest, as `Blob(buffers).spill(path)` makes (issue 19: the coordinator
-    never serializes the whole model to offer it)."""
+    chunk and digest for digest, as `Blob(buffers).spill(path)` makes: the coordinator never
+    serializes the whole model to offer it."""
 
     def __init__(self, path: str, chunk: int = CHUNK):
         self.path, self.chunk = path, chunk

@@ -40,9 +40,9 @@ SERVER_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-    # a fixed receive window per stream instead of one that BDP probing grows: uploads of N sites x
-    # 4 streams held 250-390 MB of windows and messages at the coordinator (issue 19's memory);
-    # 8 MiB per stream still keeps 4 streams x 8 MiB / RTT above a 1 Gbit/s link at 50 ms
+    # a fixed receive window per stream, not one that BDP probing grows: the coordinator's memory
+    # for N sites' uploads stays bounded by N x streams x the window, and 4 streams x 8 MiB / RTT
+    # still fill a 1 Gbit/s link at 50 ms
     ("grpc.http2.bdp_probe", 0),
     ("grpc.http2.lookahead_bytes", 8 << 20),
 ]

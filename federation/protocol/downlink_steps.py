@@ -22,7 +22,7 @@ of every reply (`model_digest`); that report is how the coordinator picks the mo
 The coordinator keeps one reference for all sites plus the newest steps whose encoded size is
 below one dense model (memory O(P)); a site further behind gets the full model.
 
-With identity (the default) every message carries the dense global model, as before, and sites
+With identity (the default) every message carries the dense global model and sites
 keep nothing. Evaluate messages get the same treatment as train messages: sites evaluate the model
 they hold (the reference), which is also the model they train on next.
 """

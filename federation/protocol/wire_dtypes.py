@@ -71,8 +71,8 @@ class WireCopy:
 
     def of(self, master: Arrays) -> Arrays:
         """`master` with its bf16 tensors rounded to words as they are read (`master` itself when
-        there are none). Nothing is cached: a copy kept beside the model was half the model's
-        size for a bf16 model, for the whole round (issue 19's coordinator memory)."""
+        there are none). Nothing is cached: a copy kept beside the model would be half the
+        model's size for a bf16 model, for the whole round."""
         if not self.raw:
             return master
         return WireView(master, self.raw)  # type: ignore[return-value]

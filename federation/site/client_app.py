@@ -43,7 +43,7 @@ from federation.site.attestation_mod import attestation_mod
 from federation.site.bulk_mod import bulk_mod
 from federation.site.codec_mod import codec_mod
 from federation.site.downlink_mod import dense_global, downlink_mod, offer_held
-from federation.site.fault_hooks import absent
+from federation.protocol.testing_hooks import absent
 from federation.site.protection_mod import protection_mod
 from federation.site.replies import fail, status
 from federation.site.secagg_mod import secagg_mod
@@ -131,7 +131,7 @@ def train(msg: Message, context: Context) -> Message:
     `evaluate` in the round config the received model is evaluated first, on the site's held-out
     data, and those figures ride back with the update (no separate evaluate message)."""
     env = site_env(context)
-    if (why := absent(env.node_config, env.config.round)) is not None:  # test only (fault_hooks.py)
+    if (why := absent(env.node_config, env.config.round)) is not None:  # test only (protocol/testing_hooks.py)
         return fail(msg, env.site, why)
     evaluate_first = env.config.evaluate
 

@@ -75,7 +75,7 @@ def offer_held(trainer: Trainer, store_dir: Callable[[], Path], target: str, tim
     model its trainer holds now (`export`; at a trainer's start, the model it built from the
     workload and the seed, or loaded from the same pretrained files), made the reference when it is
     bit for bit the coordinator's. ({MODEL_DIGEST: target} or {}, what happened, for the site's log).
-    Nothing here fails discovery: a site that cannot tell is sent the model, as before."""
+    Nothing here fails discovery: a site that cannot tell is sent the model."""
     try:
         store = ReferenceStore(store_dir())
     except TrainerFailed as err:  # the store's place is the trainer's workdir

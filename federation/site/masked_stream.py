@@ -1,5 +1,5 @@
 """A SecAgg+ masked update made from the trainer's hand-off file into a file, never whole in the
-ClientApp (issue 19: a site's extra memory for the transfer is bounded by the chunk window).
+ClientApp: a site's extra memory for the transfer is bounded by the chunk window.
 
 Masking is elementwise with AES-CTR mask streams, so the update is read a slice at a time from
 the trainer's file (`UpdateValues`: the values in the order the coordinator decodes them, sorted
@@ -8,7 +8,7 @@ ring's width and written chunk by chunk (`mask_to_file`), by the same crypto cod
 whole vector (`SecAggClient.masked_input_from`): the chunks are bit for bit those of the whole
 path. The file holds each chunk's .npy bytes, as the reply's SECAGG_CHUNKS Arrays would carry
 them, back to back; it is one bulk blob, and the reply's record holds one reference per chunk
-(`MaskedFile.records`), so the coordinator parses it chunk by chunk as before
+(`MaskedFile.records`), so the coordinator parses it chunk by chunk
 (protocol/secagg_records.parse_chunks). The signed manifest is computed on the stream.
 
 The file's size is known before anything is masked and is reserved on disk then: once the masks

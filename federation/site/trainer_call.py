@@ -97,7 +97,7 @@ class Trainer(Protocol):
     # Optional: `export(timeout_s) -> handoff.Handle | None`, the exchanged tensors the trainer holds
     # now, as they travel, in a hand-off file the caller unlinks (None: it has none to show). At
     # discovery a site that already holds the coordinator's starting model is sent none in round 1
-    # (downlink_mod.offer_held); a trainer without it gets the model as before.
+    # (downlink_mod.offer_held); a trainer without it gets the model.
 
 
 class ServiceTrainer:

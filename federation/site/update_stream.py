@@ -1,5 +1,5 @@
-"""The ClientApp's large tensors as files, never whole in its memory (issue 19: a site's extra memory
-for a transfer is bounded by the chunk window, not by the update's size).
+"""The ClientApp's large tensors as files, never whole in its memory: a site's extra memory
+for a transfer is bounded by the chunk window, not by the update's size.
 
 Down: the bulk mod writes each verified chunk of the model's blob into a file in /dev/shm
 (`download_file`) and the downlink mod hands the trainer that very file: the blob is the GLOBAL

@@ -27,7 +27,7 @@ from .config import KNOWN_ENTITIES, NER_ENTITIES, PATTERN_ENTITIES, VALIDATED_EN
 
 if TYPE_CHECKING:
     from .corpus import CorpusScrubber
-    from .recognizers import Detector, Span
+    from .detector import Detector, Span
     from .report import ScrubReport
     from .scrubber import Scrubber
 
@@ -35,8 +35,8 @@ __all__ = ["PiiConfig", "CorpusScrubber", "Scrubber", "ScrubReport", "Detector",
            "round_metrics", "expand_inputs", "PATTERN_ENTITIES", "VALIDATED_ENTITIES", "NER_ENTITIES",
            "KNOWN_ENTITIES"]
 
-_LAZY = {"CorpusScrubber": "corpus", "Scrubber": "scrubber", "ScrubReport": "report", "Detector": "recognizers",
-         "Span": "recognizers", "round_metrics": "report"}
+_LAZY = {"CorpusScrubber": "corpus", "Scrubber": "scrubber", "ScrubReport": "report", "Detector": "detector",
+         "Span": "detector", "round_metrics": "report"}
 
 
 def __getattr__(name: str):

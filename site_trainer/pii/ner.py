@@ -12,7 +12,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from .recognizers import Detector, Span
+from .detector import Detector, Span
 
 # model label -> our entity type (spaCy's OntoNotes and WikiNER schemes, CoNLL-style HF models)
 LABELS = {"PER": "PERSON", "PERSON": "PERSON", "LOC": "LOCATION", "GPE": "LOCATION", "FAC": "LOCATION",

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from importlib.metadata import version
 
 from .config import PiiConfig
-from .recognizers import FAST_WITH_REGEX, Detector, Span, build_detectors, detectors_fingerprint
+from .detector import Detector, Span
+from .recognizers import FAST_WITH_REGEX, build_detectors, detectors_fingerprint
 
 SCRUBBER_VERSION = "1"  # bump whenever detection or output changes: it is in every fingerprint
 _SNAP = 64  # how far a window edge moves outwards to reach whitespace

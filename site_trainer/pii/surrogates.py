@@ -27,7 +27,7 @@ import random
 import re
 from collections.abc import Callable, Mapping
 
-from .recognizers import Detector
+from .detector import Detector
 
 CHECKSUMMED = ("CREDIT_CARD", "IBAN_CODE", "FR_NIR", "DE_TAX_ID", "DE_ID_CARD", "IT_FISCAL_CODE")
 _VOWELS, _CONSONANTS = "aeiou", "bcdfghjklmnprstvz"

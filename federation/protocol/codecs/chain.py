@@ -10,7 +10,7 @@ steps, coordinator -> sites).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping, Protocol
 
 import numpy as np
 
@@ -24,8 +24,15 @@ from .codec_errors import (
 )
 from .coders import Sparsifier, ValueCoder
 
-if TYPE_CHECKING:
-    from .spec import CodecConfig
+
+class CodecSettings(Protocol):
+    """The configuration a codec is built from: spec.CodecConfig, which builds codecs from this module
+    (so this module names it only by what a codec reads of it)."""
+
+    @property
+    def error_feedback(self) -> bool:
+        """Whether the codec keeps an error-feedback residual."""
+
 
 _MAX_SUMMED = 2**31 - 1
 
@@ -33,7 +40,7 @@ _MAX_SUMMED = 2**31 - 1
 class Codec:
     """A configured codec. Build it with ``parse_codec(...)`` or ``CodecConfig.build()``."""
 
-    def __init__(self, config: "CodecConfig", sparsifier: Sparsifier | None, values: ValueCoder) -> None:
+    def __init__(self, config: CodecSettings, sparsifier: Sparsifier | None, values: ValueCoder) -> None:
         self.config = config
         self.sparsifier = sparsifier
         self.values = values
