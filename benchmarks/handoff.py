@@ -6,7 +6,9 @@ rank 0 writes the update into the file the ClientApp and the data path read. Bot
 here on the path users run: a real `site_trainer.session.Session` (a gloo group of one rank, or
 nccl on a GPU) serving Train requests through `Session.serve_one`, the very load (`_begin`:
 `open_global` + `load`) and update packing (`_pack_update`) the trainer service runs. Its reply
-says how long each took (`load_s`, `pack_s`); nothing of it is re-implemented here.
+says how long each took (`load_s`, `pack_s`); nothing of it is re-implemented here. The update's
+file is allocated while the round trains (`handoff.Writer(allocate=True)`); the stand-in training
+here (one add to every weight) ends when that allocation has, and the wait is printed.
 
 The model: bf16 tensors of 32 MiB (a 1.5B Llama's matrices are 8-100 MiB), `--mb` MB of them in
 all, every one exchanged; full fine-tuning, the update a delta (the default `update_kind`). The
@@ -87,13 +89,18 @@ def rounds(nbytes: int, n: int, device: torch.device, tmp: Path) -> tuple[list[f
     model = Blocks(nbytes, device)
     sess = Session(model, cfg, device=device)
     glob = global_file(model, 0)
-    gin, gout = [], []
+    gin, gout, waits = [], [], []
     try:
         for r in range(n + 1):
             def body(rnd):
                 with torch.no_grad():  # "training": every weight moves, so the delta is not zero
                     for p in model.w:
                         p.add_(1.0)
+                # The update's file is allocated while the round trains (Session._begin); a real round
+                # trains for seconds, this one for a moment: let it end when the allocation has.
+                t0 = time.perf_counter()
+                sess._current.update.allocated()
+                waits.append(time.perf_counter() - t0)
                 rnd.report(num_examples=1)
             reply = sess.serve_one("Train", {"round": r + 1, "global": glob.to_json(),
                                              "config": {"update_kind": "delta"}}, body)
@@ -103,6 +110,8 @@ def rounds(nbytes: int, n: int, device: torch.device, tmp: Path) -> tuple[list[f
             if r:
                 gin.append(nbytes / reply["metrics"]["load_s"] / 1e9)
                 gout.append(nbytes / reply["metrics"]["pack_s"] / 1e9)
+        print(f"  {nbytes / 1e6:.0f} MB: the update file's allocation outlasted the round's training by "
+              f"{max(waits):.2f} s at most (not in the figures: a real round trains longer)", flush=True)
     finally:
         handoff.release(glob.path)
         del sess, model

@@ -164,18 +164,23 @@ class _File:
 class Writer(_File):
     """A fresh hand-off file for arrays of a given (dtype, shape), filled one array at a time.
 
-    `allocate=True`: the file's pages are allocated now, on a thread, while the caller does other
-    work (the trainer: while it trains). Writing into a file's fresh pages costs the kernel an
-    allocation and a zeroing per 4 KiB page, as much again as the copy itself; into allocated pages
-    a write is a plain copy. The first write waits for the allocation.
+    `allocate=True`: the file's pages are allocated and mapped into this process now, on a thread,
+    while the caller does other work (the trainer: while it trains). Writing into a file's fresh
+    pages costs the kernel an allocation, a zeroing and a copy per 4 KiB page; into pages already
+    allocated and mapped a write is a plain memory copy. The mapping is dropped at `close`, so the
+    file's pages count in this process's resident set only from the allocation to the close. The
+    first write waits for the allocation; where it fails (no space, no support) the writes fall back
+    to pwrite, which allocates as it goes.
     """
 
     def __init__(self, spec: dict[str, tuple[str, tuple[int, ...]]], tag: str = "x", directory: str | Path | None = None,
                  allocate: bool = False):
         entries, size = _layout(spec)
-        super().__init__(Handle(str(_create(size, tag, directory)), entries), os.O_WRONLY)
+        super().__init__(Handle(str(_create(size, tag, directory)), entries), os.O_RDWR if allocate else os.O_WRONLY)
         self.size = size
-        self.allocate_s: float | None = None  # how long the allocation took (None: not asked, or not done)
+        self.allocate_s: float | None = None  # how long the allocation took (None: not asked, or it failed)
+        self._map: mmap.mmap | None = None
+        self._bytes: np.ndarray | None = None  # the mapped file, as bytes
         self._allocating = threading.Thread(target=self._allocate, name="sovfl-allocate", daemon=True) \
             if allocate and size else None
         if self._allocating is not None:
@@ -185,8 +190,11 @@ class Writer(_File):
         t0 = time.perf_counter()
         try:
             os.posix_fallocate(self._fd, 0, self.size)
-        except OSError:  # not supported here, or no space: the writes allocate (and say so if they cannot)
+            self._map = mmap.mmap(self._fd, self.size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                                  prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except (OSError, ValueError):  # the writes allocate (and say so if they cannot)
             return
+        self._bytes = np.frombuffer(self._map, dtype=np.uint8)
         self.allocate_s = time.perf_counter() - t0
 
     def allocated(self) -> None:
@@ -197,11 +205,29 @@ class Writer(_File):
 
     def _io(self, op, name: str, start: int, view: memoryview) -> None:
         self.allocated()
-        super()._io(op, name, start, view)
+        if self._bytes is None:
+            super()._io(op, name, start, view)
+            return
+        e = self._entries[name]
+        if start < 0 or start + len(view) > e.nbytes:
+            raise ValueError(f"hand-off entry {name}: bytes [{start}, {start + len(view)}) outside its {e.nbytes}")
+        np.copyto(self._bytes[e.offset + start:e.offset + start + len(view)], np.frombuffer(view, dtype=np.uint8))
 
     def close(self) -> None:
-        self.allocated()  # never close the descriptor under the allocating thread
+        self.allocated()  # never close the descriptor or the mapping under the allocating thread
+        self._bytes = None
+        if self._map is not None:
+            self._map.close()
+            self._map = None
         super().close()
+
+    def target(self, name: str) -> np.ndarray | None:
+        """The bytes of array `name` in the mapped file, to be written in place (None: not mapped)."""
+        self.allocated()
+        if self._bytes is None:
+            return None
+        e = self._entries[name]
+        return self._bytes[e.offset:e.offset + e.nbytes]
 
     def write(self, name: str, array: np.ndarray) -> None:
         e = self._entries[name]
@@ -284,6 +310,32 @@ def map_arrays(handle: Handle) -> dict[str, np.ndarray]:
     finally:
         os.close(fd)
     return {e.name: buf[e.offset : e.offset + e.nbytes].view(e.dtype).reshape(e.shape) for e in handle.entries}
+
+
+class Premapped:
+    """`map_arrays(handle)` on a thread started now: the file's pages are mapped while the caller
+    does other work (the trainer: the global model, mapped while the round trains, for the delta)."""
+
+    def __init__(self, handle: Handle):
+        self._arrays: dict[str, np.ndarray] | None = None
+        self._thread = threading.Thread(target=self._map, args=(handle,), name="sovfl-premap", daemon=True)
+        self._thread.start()
+
+    def _map(self, handle: Handle) -> None:
+        try:
+            self._arrays = map_arrays(handle)
+        except (OSError, ValueError):  # the reader's pread serves instead
+            pass
+
+    def arrays(self) -> dict[str, np.ndarray] | None:
+        """The mapped arrays (read-only), or None if the file could not be mapped."""
+        self._thread.join()
+        return self._arrays
+
+    def drop(self) -> None:
+        """Let go of the mapping (unmapped once no view of it is left)."""
+        self._thread.join()
+        self._arrays = None
 
 
 def release(path: str | None) -> None:

@@ -199,6 +199,7 @@ class _Request:
     def __init__(self, method: str, request: dict, fut: Future | None, reader: handoff.Reader | None):
         self.method, self.request, self.fut, self.reader = method, request, fut, reader
         self.update: handoff.Writer | None = None  # the update's file, allocated while the round trains
+        self.premapped: handoff.Premapped | None = None  # the global model, mapped while the round trains
 
     def answer(self, reply: dict) -> None:
         fut, self.fut = self.fut, None
@@ -213,6 +214,9 @@ class _Request:
         if self.reader is not None:
             self.reader.close()
             self.reader = None
+        if self.premapped is not None:
+            self.premapped.drop()
+            self.premapped = None
         if self.update is not None:  # the round ended without an update: nobody will read the file
             self.update.close()
             handoff.release(self.update.handle.path)
@@ -586,8 +590,10 @@ class Session:
             req.close()
             return None
         self._current = req
-        if kind == "train" and self.rank == 0:
+        if kind == "train" and self.rank == 0:  # the update's files, made ready while the round trains
             req.update = self._update_writer("update", allocate=True)
+            if req.reader is not None and (req.request.get("config") or {}).get("update_kind", "delta") == "delta":
+                req.premapped = handoff.Premapped(req.reader.handle)
         rnd = Round(self, kind, req.request, time.perf_counter() - t0)
         if kind == "train":
             rnd.background_steps, discarded, seconds = self.overlap.fold(entries, rnd.number)
@@ -758,7 +764,8 @@ class Session:
         from the global model it read), one tensor at a time, each written once in its wire dtype
         (`update_pack`); every rank gets every rank's digest."""
         def put(writer: handoff.Writer) -> Callable[[str, torch.Tensor], None]:
-            packer = update_pack.UpdatePacker(writer, {s.name: s for s in self.layout.exchanged}, req.reader)
+            mapped = req.premapped.arrays() if req.premapped is not None else None
+            packer = update_pack.UpdatePacker(writer, {s.name: s for s in self.layout.exchanged}, req.reader, mapped)
             return packer.delta if kind == "delta" else packer.weights
 
         writer = None

@@ -11,6 +11,9 @@ global, the update); the scratch is reused and stays in the CPU's cache.
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Mapping
+
 import numpy as np
 import torch
 
@@ -23,9 +26,18 @@ class UpdatePacker:
     """Writes updates into `writer`; a delta from the global model in `reader`. One thread at a time
     (its scratch buffer is reused from piece to piece)."""
 
-    def __init__(self, writer: handoff.Writer, specs: dict[str, layout.TensorSpec], reader: handoff.Reader | None):
-        self.writer, self.specs, self.reader = writer, specs, reader
+    def __init__(self, writer: handoff.Writer, specs: dict[str, layout.TensorSpec], reader: handoff.Reader | None,
+                 mapped: Mapping[str, np.ndarray] | None = None):
+        self.writer, self.specs, self.reader, self.mapped = writer, specs, reader, mapped
         self._scratch = np.empty(0, dtype=np.uint8)
+        self._result = np.empty(0, dtype=np.uint8)
+
+    def _out(self, like: torch.Tensor, wire: str) -> torch.Tensor:
+        """A reusable buffer shaped like `like` (the difference before it is written)."""
+        n = like.numel() * like.element_size()
+        if self._result.nbytes < n:
+            self._result = np.empty(n, dtype=np.uint8)
+        return layout.from_wire(self._result[:n].view(wire), like.dtype)
 
     def weights(self, name: str, t: torch.Tensor) -> None:
         """The tensor as it travels (a contiguous CPU tensor)."""
@@ -39,14 +51,29 @@ class UpdatePacker:
         step = max(1, PIECE_BYTES // max(t.element_size(), 1))
         if self._scratch.nbytes < step * gwire.itemsize:
             self._scratch = np.empty(step * gwire.itemsize, dtype=np.uint8)
+        target, whole = self.writer.target(name), None
+        if self.mapped is not None:  # the global model's file, mapped while the round trained
+            whole = self.mapped[name].reshape(-1)
         for start in range(0, flat.numel(), step):
             piece = flat[start:start + step]
-            g = self._scratch[:piece.numel() * gwire.itemsize].view(gwire)
-            self.reader.read_range(name, start * gwire.itemsize, g)
-            glob = layout.from_wire(g, dtype)  # a view, or the float32 global rounded to the tensor's dtype
-            out = glob if glob.data_ptr() == g.ctypes.data else torch.empty_like(glob)
+            if whole is not None:
+                g = whole[start:start + piece.numel()]
+            else:
+                g = self._scratch[:piece.numel() * gwire.itemsize].view(gwire)
+                self.reader.read_range(name, start * gwire.itemsize, g)
+            with warnings.catch_warnings():  # a mapped global is read-only: it is only read here
+                warnings.simplefilter("ignore", UserWarning)
+                glob = layout.from_wire(g, dtype)  # a view, or the float32 global rounded to the tensor's dtype
+            at = start * np.dtype(wire).itemsize
+            if target is not None:  # straight into the update's mapped file
+                out = layout.from_wire(target[at:at + piece.numel() * np.dtype(wire).itemsize].view(wire), dtype)
+            elif whole is None and glob.data_ptr() == g.ctypes.data:
+                out = glob  # the scratch the global was read into
+            else:
+                out = self._out(glob, wire)
             if dtype.itemsize >= 2:
                 torch.sub(piece, glob, out=out)
             else:  # float8: no arithmetic of its own; in float32, rounded once
                 out.copy_(piece.float() - glob.float())
-            self.writer.write_range(name, start * np.dtype(wire).itemsize, layout.to_wire(out))
+            if target is None:
+                self.writer.write_range(name, at, layout.to_wire(out))
