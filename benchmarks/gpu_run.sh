@@ -39,10 +39,10 @@ if [ -n "${SMOKE:-}" ]; then
   HO_CPU=(--device cpu --mb 20,60 --rounds 1)
   T_THR=900; T_HO=300
 else
-  THR=(--model hf-1.5b --strategies ddp,zero2 --steps 50 --rounds 2 --batch 8)
+  THR=(--model hf-1.5b --strategies ddp,zero2 --steps 50 --rounds 1 --batch 8)
   HO_GPU=(--device cuda --mb 500,3000 --rounds 2)
   HO_CPU=(--device cpu --mb 500,3000 --rounds 2)
-  T_THR=330; T_HO=60
+  T_THR=340; T_HO=50
 fi
 echo "load $(cut -d' ' -f1-3 /proc/loadavg) before gpu_throughput" >> "$OUT/env.txt"
 timeout -k 10 $T_THR $PY benchmarks/gpu_throughput.py "${THR[@]}" > "$OUT/gpu_throughput.log" 2>&1 \
@@ -54,7 +54,7 @@ echo "load $(cut -d' ' -f1-3 /proc/loadavg) before handoff (host)" >> "$OUT/env.
 timeout -k 10 $T_HO $PY benchmarks/handoff.py "${HO_CPU[@]}" > "$OUT/handoff_host.log" 2>&1 \
   || echo "handoff (host) ended with status $?" >> "$OUT/handoff_host.log"
 grep -h "^RESULT\|ended with status\|Error\|error:" "$OUT/gpu_throughput.log" "$OUT/handoff_device.log" \
-  "$OUT/handoff_host.log" | sed 's/^/  /' > "$OUT/results.txt"
+  "$OUT/handoff_host.log" | sort -u | sed 's/^/  /' > "$OUT/results.txt"
 tail -n 4 "$OUT/env.txt"
 for f in gpu_throughput handoff_device handoff_host; do
   echo "== $f"; grep -v "^RESULT" "$OUT/$f.log" | tail -n 6

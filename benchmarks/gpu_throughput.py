@@ -208,6 +208,7 @@ def main() -> None:
             lines.append(f"RESULT strategy={strategy} model={args.model} steps={args.steps} "
                          f"tokens_per_s_ours={o['tokens_per_s']:.0f} tokens_per_s_plain={p_tok:.0f} "
                          f"ratio={o['tokens_per_s'] / p_tok:.3f} mfu_ours={m_o:.3f} mfu_plain={m_p:.3f}")
+            print(lines[-1], flush=True)  # now, and again at the end: a run cut short keeps what it measured
     gmean = lambda xs: math.exp(sum(math.log(x) for x in xs) / len(xs))  # noqa: E731
     o, p = gmean(ours_all), gmean(plain_all)
     print(f"geometric means over {args.strategies} ({'CPU smoke run' if args.smoke else f'{args.nproc} GPU(s)'})")
