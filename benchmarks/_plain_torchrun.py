@@ -26,11 +26,29 @@ from site_trainer.config import TrainerConfig
 from site_trainer.workload import Task, TaskContext
 
 
-def task_of(cfg: TrainerConfig) -> Task:
-    """The workload's task (its model, data and loss): the same code as the trainer's, none of its loop."""
+def task_of(cfg: TrainerConfig, rank: int = 0, world: int = 1, device: torch.device | None = None) -> Task:
+    """The workload's task (its model, data and loss): the same code as the trainer's, none of its loop.
+    Its caches (a text task's tokens) go to a directory of the plain loop's own."""
     ctx = TaskContext(role="site", seed=cfg.seed, site=cfg.site.id, partition=cfg.site.partition,
-                      num_partitions=cfg.num_partitions)
+                      num_partitions=cfg.num_partitions, rank=rank, world_size=world,
+                      device=device or torch.device("cpu"), workdir=Path(cfg.workdir) / "plain-loop")
     return workload_loader.build_task(cfg.workload, ctx, cfg.options)
+
+
+def blocks_of(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks: a GPT's `blocks`, a Hugging Face model's decoder layers."""
+    if hasattr(model, "blocks"):
+        return list(model.blocks)
+    return list(model.model.layers)
+
+
+def batch_of(train, pick: torch.Tensor):
+    """The rows `pick` as one batch: the built-in tasks' `take`, else torch's default collation."""
+    if hasattr(train, "take"):
+        return train.take(pick)
+    from torch.utils.data import default_collate
+
+    return default_collate([train[int(i)] for i in pick])
 
 
 def build(cfg: TrainerConfig, task: Task, device: torch.device, dtype: torch.dtype | None):
@@ -46,7 +64,7 @@ def build(cfg: TrainerConfig, task: Task, device: torch.device, dtype: torch.dty
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
-    for block in model.blocks:
+    for block in blocks_of(model):
         fully_shard(block, reshard_after_forward=cfg.site.parallelism == "zero3", mp_policy=mp)
     return fully_shard(model, reshard_after_forward=cfg.site.parallelism == "zero3", mp_policy=mp)
 
@@ -66,7 +84,7 @@ def main() -> None:
     dtype = torch.bfloat16 if site.mixed_precision == "bf16" else None
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(cfg.seed)
-    task = task_of(cfg)
+    task = task_of(cfg, rank, world, device)
     train = task.build_data().train
     model = build(cfg, task, device, dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=site.lr, weight_decay=0.0, fused=True)
@@ -78,9 +96,10 @@ def main() -> None:
         for _ in range(n):
             for _ in range(site.grad_accum):
                 pick = idx[torch.randint(len(idx), (site.batch_size,), generator=gen)]
-                x, y = (t.to(device) for t in train.take(pick))  # the built-in tasks' rows: one index each
+                batch = batch_of(train, pick)
+                batch = tuple(t.to(device) for t in batch) if isinstance(batch, (tuple, list)) else batch.to(device)
                 with autocast:
-                    loss = task.loss(model, (x, y))
+                    loss = task.loss(model, batch)
                 (loss.float() / site.grad_accum).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -100,7 +119,8 @@ def main() -> None:
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if rank == 0:
         samples = steps * site.grad_accum * site.batch_size * world
-        tokens = samples * (cfg.options.get("block_size", 1) if cfg.workload.task == "slm" else 1)
+        per_sample = {"slm": cfg.options.get("block_size", 1), "hf-causal-lm": cfg.options.get("seq_len") or 1}
+        tokens = samples * per_sample.get(cfg.workload.task, 1)
         print(json.dumps({"samples": samples, "seconds": seconds, "samples_per_s": samples / seconds,
                           "tokens_per_s": tokens / seconds, "cuda_peak_bytes": int(peak.item()),
                           "device": str(device), "compute": "bf16" if dtype is not None else "fp32"}), flush=True)

@@ -22,6 +22,14 @@ On CUDA it uses NCCL and bf16 and refuses to run otherwise (no silent fall-back)
 world size is 1: zero2/zero3 then measure FSDP2's overhead, not its memory savings.
 Last line: RESULT tokens_per_s_ours=<..> tokens_per_s_plain=<..> ratio=<ours/plain>, the geometric
 means over the strategies run.
+
+--model hf-1.5b: the built-in task `hf-causal-lm` (full fine-tuning) on a Qwen2-1.5B-shaped Llama built
+here from a config (random weights, hidden 1536, 28 layers, 12 heads, 2 KV heads, MLP 8960, vocabulary
+151936, tied embeddings: about 1.54B parameters) with a tokenizer trained on stdlib text, saved with
+save_pretrained; nothing is downloaded. --model hf-tiny is the same machinery at toy size (CPU smoke).
+MFU for both sides: model FLOPs per token 6 N + 12 L H S (N parameters, L layers, H width, S sequence
+length; PaLM's appendix B) x tokens/s per GPU / the GPU's dense bf16 peak (`--peak-tflops`, default
+989 for an H100/H200 SXM). RESULT lines: one per strategy, then the geometric means.
 """
 
 from __future__ import annotations
@@ -44,6 +52,11 @@ from site_trainer.config import WorkloadConfig  # noqa: E402
 GIB = 2**30
 GPT_125M = WorkloadConfig(task="slm", options={"n_layer": 18, "n_head": 12, "n_embd": 768, "block_size": 1024,
                                                "corpus_bytes_per_site": 400_000})
+PEAK_TFLOPS = 989.0  # H100/H200 SXM, dense bf16
+HF_SHAPES = {  # name: (hidden, layers, heads, kv_heads, mlp, vocab, seq_len)
+    "hf-1.5b": (1536, 28, 12, 2, 8960, 151936, 1024),
+    "hf-tiny": (64, 2, 4, 2, 128, 512, 32),
+}
 GPT_SMOKE = WorkloadConfig(task="slm", options={"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32,
                                                 "corpus_bytes_per_site": 20_000})
 
@@ -69,6 +82,38 @@ def environment(smoke: bool, nproc: int) -> str:
         print("world size 1 (one GPU): zero2/zero3 shard over a single rank, so they show FSDP2's overhead, "
               "not its memory savings")
     return "cuda"
+
+
+def hf_workload(tmp: Path, name: str) -> tuple[WorkloadConfig, dict]:
+    """A Llama-style model of HF_SHAPES[name] saved under `tmp` (random weights, a local tokenizer), and
+    some stdlib text: the hf-causal-lm workload of full fine-tuning over them; (workload, shape)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import hf_models
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hidden, layers, heads, kv, mlp, vocab, seq = HF_SHAPES[name]
+    out = tmp / name
+    tok = hf_models.train_tokenizer(out, 2048, seq)
+    cfg = LlamaConfig(vocab_size=max(vocab, len(tok)), hidden_size=hidden, intermediate_size=mlp,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                      max_position_embeddings=seq, tie_word_embeddings=True, initializer_range=hf_models.INIT_STD,
+                      eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # random init at GPU speed where there is one
+        model = LlamaForCausalLM(cfg)
+    hf_models._save(model.cpu(), tok, out)
+    params = sum(p.numel() for p in model.parameters())
+    del model
+    files = hf_models.write_corpus(tmp / "data" / "gpu", files=8, bytes_per_file=200_000)
+    wl = WorkloadConfig(task="hf-causal-lm", options={"model_dir": str(out), "data": [str(files[0].parent / "*.txt")],
+                                                      "seq_len": seq, "val_fraction": 0.0, "lora": None})
+    return wl, {"params": params, "layers": layers, "hidden": hidden, "seq": seq}
+
+
+def mfu(tokens_per_s: float, shape: dict, peak_tflops: float) -> float:
+    """Model FLOPs utilisation: (6 N + 12 L H S) FLOPs per token at `tokens_per_s`, over the peak."""
+    per_token = 6 * shape["params"] + 12 * shape["layers"] * shape["hidden"] * shape["seq"]
+    return tokens_per_s * per_token / (peak_tflops * 1e12)
 
 
 def check_handoff_space(model_bytes: int) -> None:
@@ -112,41 +157,63 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds (plain: rounds x steps timed steps)")
     ap.add_argument("--batch", type=int, default=16, help="sequences per GPU per step")
     ap.add_argument("--strategies", default="ddp,zero2,zero3")
-    ap.add_argument("--smoke", action="store_true", help="CPU, gloo, fp32, tiny GPT, few steps")
+    ap.add_argument("--model", default="gpt-125m", choices=["gpt-125m", *HF_SHAPES])
+    ap.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS, help="the GPU's dense bf16 peak, for MFU")
+    ap.add_argument("--smoke", action="store_true", help="CPU, gloo, fp32, a tiny model, few steps")
     args = ap.parse_args()
     if args.smoke:
         args.steps, args.rounds, args.batch = min(args.steps, 3), min(args.rounds, 2), min(args.batch, 4)
+        if args.model == "hf-1.5b":
+            args.model = "hf-tiny"
     device = environment(args.smoke, args.nproc)
-    wl = GPT_SMOKE if args.smoke else GPT_125M
     site = {"backend": "gloo", "mixed_precision": "fp32"} if args.smoke else {"backend": "nccl", "mixed_precision": "bf16"}
     want = (device, site["mixed_precision"])
-    from site_trainer import workloads
-
-    params = sum(a.size for a in workloads.initial_weights(wl, 0).values())
-    check_handoff_space(4 * params)
-    o = wl.options
-    print(f"model: byte-level GPT, {params:,} parameters ({o['n_layer']} blocks, width {o['n_embd']}, "
-          f"{o['n_head']} heads, {o['block_size']} tokens); {args.batch} sequences per GPU per step, fused AdamW, "
-          f"{site['mixed_precision']}; {args.rounds} timed rounds x {args.steps} steps", flush=True)
     ours_all, plain_all = [], []
     with tempfile.TemporaryDirectory(prefix="sovfl-gpu-") as d:
         tmp = Path(d)
+        if args.model in HF_SHAPES:
+            wl, shape = hf_workload(tmp, args.model)
+            params, block = shape["params"], shape["seq"]
+            print(f"model: Llama-style causal LM built from a config, {params:,} parameters ({shape['layers']} "
+                  f"layers, width {shape['hidden']}, {block} tokens), task hf-causal-lm, full fine-tuning",
+                  flush=True)
+        else:
+            from site_trainer import workloads
+
+            wl = GPT_SMOKE if args.smoke else GPT_125M
+            params = sum(a.size for a in workloads.initial_weights(wl, 0).values())
+            block = wl.options["block_size"]
+            o = wl.options
+            shape = {"params": params, "layers": o["n_layer"], "hidden": o["n_embd"], "seq": block}
+            print(f"model: byte-level GPT, {params:,} parameters ({o['n_layer']} blocks, width {o['n_embd']}, "
+                  f"{o['n_head']} heads, {block} tokens)", flush=True)
+        check_handoff_space(4 * params)
+        print(f"{args.batch} sequences per GPU per step, fused AdamW, {site['mixed_precision']}; {args.rounds} timed "
+              f"rounds x {args.steps} steps", flush=True)
+        lines = []
         for strategy in args.strategies.split(","):
             cfg_path = trainer_config(tmp, f"gpu-{strategy}", wl, args.nproc, args.steps, parallelism=strategy,
                                       batch_size=args.batch, lr=3e-4, **site)
             p = plain(cfg_path, args.rounds * args.steps, warmup=args.steps)
             check_placement("the plain loop", p["device"], p["compute"], *want)
             p_tok = p["tokens_per_s"] / args.nproc
-            o = run_ours(tmp / f"svc-{strategy}", cfg_path, args.rounds, args.nproc, wl.options["block_size"], want)
+            o = run_ours(tmp / f"svc-{strategy}", cfg_path, args.rounds, args.nproc, block, want)
             plain_all.append(p_tok)
             ours_all.append(o["tokens_per_s"])
-            print(f"{strategy:<6} plain {p_tok:>10,.0f} tokens/s/GPU, peak {p['cuda_peak_bytes'] / GIB:6.2f} GiB | "
-                  f"ours {o['tokens_per_s']:>10,.0f} tokens/s/GPU, peak {o['cuda_peak_bytes'] / GIB:6.2f} GiB | "
-                  f"ratio {o['tokens_per_s'] / p_tok:.3f} (training {100 * o['train_share']:.0f}% of a round's "
-                  "relay time)", flush=True)
+            m_o, m_p = mfu(o["tokens_per_s"], shape, args.peak_tflops), mfu(p_tok, shape, args.peak_tflops)
+            print(f"{strategy:<6} plain {p_tok:>10,.0f} tokens/s/GPU, MFU {m_p:.3f}, peak {p['cuda_peak_bytes'] / GIB:6.2f} "
+                  f"GiB | ours {o['tokens_per_s']:>10,.0f} tokens/s/GPU, MFU {m_o:.3f}, peak "
+                  f"{o['cuda_peak_bytes'] / GIB:6.2f} GiB | ratio {o['tokens_per_s'] / p_tok:.3f} (training "
+                  f"{100 * o['train_share']:.0f}% of a round's relay time)", flush=True)
+            lines.append(f"RESULT strategy={strategy} model={args.model} steps={args.steps} "
+                         f"tokens_per_s_ours={o['tokens_per_s']:.0f} tokens_per_s_plain={p_tok:.0f} "
+                         f"ratio={o['tokens_per_s'] / p_tok:.3f} mfu_ours={m_o:.3f} mfu_plain={m_p:.3f}")
+            print(lines[-1], flush=True)  # now, and again at the end: a run cut short keeps what it measured
     gmean = lambda xs: math.exp(sum(math.log(x) for x in xs) / len(xs))  # noqa: E731
     o, p = gmean(ours_all), gmean(plain_all)
     print(f"geometric means over {args.strategies} ({'CPU smoke run' if args.smoke else f'{args.nproc} GPU(s)'})")
+    for line in lines:
+        print(line)
     print(f"RESULT tokens_per_s_ours={o:.0f} tokens_per_s_plain={p:.0f} ratio={o / p:.3f}")
 
 

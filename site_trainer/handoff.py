@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import threading
+import time
 import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -111,7 +113,13 @@ def _layout(spec: dict[str, tuple[str, tuple[int, ...]]]) -> tuple[tuple[Entry, 
 
 def _bytes_of(array: np.ndarray) -> memoryview:
     """A flat byte view of a C-contiguous array (no copy), whatever its shape, empty ones included."""
+    if not array.flags.c_contiguous:
+        raise ValueError(f"hand-off I/O needs a C-contiguous array, got one of strides {array.strides}")
     return memoryview(array.reshape(-1).view(np.uint8))
+
+
+def _pread(fd: int, view: memoryview, offset: int) -> int:
+    return os.preadv(fd, [view], offset)
 
 
 def _check_size(handle: Handle, size: int) -> None:
@@ -128,13 +136,17 @@ class _File:
         self._entries = {e.name: e for e in handle.entries}
         self._fd = os.open(handle.path, flags)
 
-    def _io(self, op, name: str, array: np.ndarray) -> None:
-        """pread/pwrite until done: one call moves at most ~2 GiB on Linux, and may move less."""
-        view, offset, done = _bytes_of(array), self._entries[name].offset, 0
+    def _io(self, op, name: str, start: int, view: memoryview) -> None:
+        """pread/pwrite `view` at byte `start` of array `name` until done: one call moves at most
+        ~2 GiB on Linux, and may move less."""
+        e = self._entries[name]
+        if start < 0 or start + len(view) > e.nbytes:
+            raise ValueError(f"hand-off entry {name}: bytes [{start}, {start + len(view)}) outside its {e.nbytes}")
+        done = 0
         while done < len(view):
-            n = op(self._fd, view[done:], offset + done)
+            n = op(self._fd, view[done:], e.offset + start + done)
             if n <= 0:
-                raise ValueError(f"hand-off file {self.handle.path} ended at byte {offset + done} ({name})")
+                raise ValueError(f"hand-off file {self.handle.path} ended at byte {e.offset + start + done} ({name})")
             done += n
 
     def close(self) -> None:
@@ -150,17 +162,83 @@ class _File:
 
 
 class Writer(_File):
-    """A fresh hand-off file for arrays of a given (dtype, shape), filled one array at a time."""
+    """A fresh hand-off file for arrays of a given (dtype, shape), filled one array at a time.
 
-    def __init__(self, spec: dict[str, tuple[str, tuple[int, ...]]], tag: str = "x", directory: str | Path | None = None):
+    `allocate=True`: the file's pages are allocated and mapped into this process now, on a thread,
+    while the caller does other work (the trainer: while it trains). Writing into a file's fresh
+    pages costs the kernel an allocation, a zeroing and a copy per 4 KiB page; into pages already
+    allocated and mapped a write is a plain memory copy. The mapping is dropped at `close`, so the
+    file's pages count in this process's resident set only from the allocation to the close. The
+    first write waits for the allocation; where it fails (no space, no support) the writes fall back
+    to pwrite, which allocates as it goes.
+    """
+
+    def __init__(self, spec: dict[str, tuple[str, tuple[int, ...]]], tag: str = "x", directory: str | Path | None = None,
+                 allocate: bool = False):
         entries, size = _layout(spec)
-        super().__init__(Handle(str(_create(size, tag, directory)), entries), os.O_WRONLY)
+        super().__init__(Handle(str(_create(size, tag, directory)), entries), os.O_RDWR if allocate else os.O_WRONLY)
+        self.size = size
+        self.allocate_s: float | None = None  # how long the allocation took (None: not asked, or it failed)
+        self._map: mmap.mmap | None = None
+        self._bytes: np.ndarray | None = None  # the mapped file, as bytes
+        self._allocating = threading.Thread(target=self._allocate, name="sovfl-allocate", daemon=True) \
+            if allocate and size else None
+        if self._allocating is not None:
+            self._allocating.start()
+
+    def _allocate(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            os.posix_fallocate(self._fd, 0, self.size)
+            self._map = mmap.mmap(self._fd, self.size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                                  prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except (OSError, ValueError):  # the writes allocate (and say so if they cannot)
+            return
+        self._bytes = np.frombuffer(self._map, dtype=np.uint8)
+        self.allocate_s = time.perf_counter() - t0
+
+    def allocated(self) -> None:
+        """Wait until the allocation asked for is over (done, or given up)."""
+        if self._allocating is not None:
+            self._allocating.join()
+            self._allocating = None
+
+    def _io(self, op, name: str, start: int, view: memoryview) -> None:
+        self.allocated()
+        if self._bytes is None:
+            super()._io(op, name, start, view)
+            return
+        e = self._entries[name]
+        if start < 0 or start + len(view) > e.nbytes:
+            raise ValueError(f"hand-off entry {name}: bytes [{start}, {start + len(view)}) outside its {e.nbytes}")
+        np.copyto(self._bytes[e.offset + start:e.offset + start + len(view)], np.frombuffer(view, dtype=np.uint8))
+
+    def close(self) -> None:
+        self.allocated()  # never close the descriptor or the mapping under the allocating thread
+        self._bytes = None
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+        super().close()
+
+    def target(self, name: str) -> np.ndarray | None:
+        """The bytes of array `name` in the mapped file, to be written in place (None: not mapped)."""
+        self.allocated()
+        if self._bytes is None:
+            return None
+        e = self._entries[name]
+        return self._bytes[e.offset:e.offset + e.nbytes]
 
     def write(self, name: str, array: np.ndarray) -> None:
         e = self._entries[name]
         if array.dtype.str != e.dtype or array.shape != e.shape:
             raise ValueError(f"hand-off entry {name}: got {array.dtype.str}{array.shape}, layout says {e.dtype}{e.shape}")
-        self._io(os.pwrite, name, np.ascontiguousarray(array))
+        self._io(os.pwrite, name, 0, _bytes_of(np.ascontiguousarray(array)))
+
+    def write_range(self, name: str, start: int, data: np.ndarray) -> None:
+        """Write the bytes of `data` (C-contiguous) at byte `start` of array `name`: a piece of a
+        tensor, for writers that produce it a piece at a time (the update's delta)."""
+        self._io(os.pwrite, name, start, _bytes_of(data))
 
 
 def write_arrays(arrays: dict[str, np.ndarray], tag: str = "x", directory: str | Path | None = None) -> Handle:
@@ -198,23 +276,15 @@ class Reader(_File, Mapping):
         if out.dtype.str != e.dtype or out.shape != e.shape or not out.flags.c_contiguous:
             raise ValueError(f"hand-off entry {name}: cannot read {e.dtype}{e.shape} into "
                              f"{out.dtype.str}{out.shape}{'' if out.flags.c_contiguous else ' (not contiguous)'}")
-        self._io(lambda fd, view, offset: os.preadv(fd, [view], offset), name, out)
+        self._io(_pread, name, 0, _bytes_of(out))
 
     def handle_entry(self, name: str) -> Entry:
         return self._entries[name]
 
-    def read_range(self, name: str, start: int, out: memoryview) -> None:
-        """Read bytes [start, start + len(out)) of array `name` into `out`: a piece of a tensor, for
-        readers that stream a large file through a small buffer (the ClientApp sealing an update)."""
-        e = self._entries[name]
-        if start < 0 or start + len(out) > e.nbytes:
-            raise ValueError(f"hand-off entry {name}: bytes [{start}, {start + len(out)}) outside its {e.nbytes}")
-        done = 0
-        while done < len(out):
-            n = os.preadv(self._fd, [out[done:]], e.offset + start + done)
-            if n <= 0:
-                raise ValueError(f"hand-off file {self.handle.path} ended at byte {e.offset + start + done} ({name})")
-            done += n
+    def read_range(self, name: str, start: int, out: memoryview | np.ndarray) -> None:
+        """Read bytes [start, start + len(out)) of array `name` into `out` (bytes, or a C-contiguous
+        array): a piece of a tensor, for readers that stream a large file through a small buffer."""
+        self._io(_pread, name, start, out if isinstance(out, memoryview) else _bytes_of(out))
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._entries)
@@ -240,6 +310,32 @@ def map_arrays(handle: Handle) -> dict[str, np.ndarray]:
     finally:
         os.close(fd)
     return {e.name: buf[e.offset : e.offset + e.nbytes].view(e.dtype).reshape(e.shape) for e in handle.entries}
+
+
+class Premapped:
+    """`map_arrays(handle)` on a thread started now: the file's pages are mapped while the caller
+    does other work (the trainer: the global model, mapped while the round trains, for the delta)."""
+
+    def __init__(self, handle: Handle):
+        self._arrays: dict[str, np.ndarray] | None = None
+        self._thread = threading.Thread(target=self._map, args=(handle,), name="sovfl-premap", daemon=True)
+        self._thread.start()
+
+    def _map(self, handle: Handle) -> None:
+        try:
+            self._arrays = map_arrays(handle)
+        except (OSError, ValueError):  # the reader's pread serves instead
+            pass
+
+    def arrays(self) -> dict[str, np.ndarray] | None:
+        """The mapped arrays (read-only), or None if the file could not be mapped."""
+        self._thread.join()
+        return self._arrays
+
+    def drop(self) -> None:
+        """Let go of the mapping (unmapped once no view of it is left)."""
+        self._thread.join()
+        self._arrays = None
 
 
 def release(path: str | None) -> None:

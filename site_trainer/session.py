@@ -1,6 +1,6 @@
 """The session: one collective API that every rank of a site calls, for any training loop.
 
-    from site_trainer import session
+    from site_trainer import update_pack, session
 
     sess = session.connect(model, optimizer=opt)         # every rank, after building its model
     for rnd in sess.rounds():                            # every rank: the same rounds, in lock-step
@@ -48,7 +48,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from site_trainer import endpoint, handoff, layout, local_checkpoint, strategies, transfer
+from site_trainer import endpoint, handoff, layout, local_checkpoint, strategies, transfer, update_pack
 from site_trainer.overlap import BackgroundStep, Overlap, background_budget
 from site_trainer.config import SiteConfig, TrainerConfig
 from site_trainer.launch import check_node_rank
@@ -198,6 +198,8 @@ class _Request:
 
     def __init__(self, method: str, request: dict, fut: Future | None, reader: handoff.Reader | None):
         self.method, self.request, self.fut, self.reader = method, request, fut, reader
+        self.update: handoff.Writer | None = None  # the update's file, allocated while the round trains
+        self.premapped: handoff.Premapped | None = None  # the global model, mapped while the round trains
 
     def answer(self, reply: dict) -> None:
         fut, self.fut = self.fut, None
@@ -212,6 +214,13 @@ class _Request:
         if self.reader is not None:
             self.reader.close()
             self.reader = None
+        if self.premapped is not None:
+            self.premapped.drop()
+            self.premapped = None
+        if self.update is not None:  # the round ended without an update: nobody will read the file
+            self.update.close()
+            handoff.release(self.update.handle.path)
+            self.update = None
 
 
 def _wire_read(source: Mapping[str, np.ndarray]):
@@ -581,6 +590,10 @@ class Session:
             req.close()
             return None
         self._current = req
+        if kind == "train" and self.rank == 0:  # the update's files, made ready while the round trains
+            req.update = self._update_writer("update", allocate=True)
+            if req.reader is not None and (req.request.get("config") or {}).get("update_kind", "delta") == "delta":
+                req.premapped = handoff.Premapped(req.reader.handle)
         rnd = Round(self, kind, req.request, time.perf_counter() - t0)
         if kind == "train":
             rnd.background_steps, discarded, seconds = self.overlap.fold(entries, rnd.number)
@@ -711,13 +724,17 @@ class Session:
         factor = rnd.config.get("overlap_max_steps_factor", 1.0)
         self.overlap.sent(self._entries(), rnd.number, background_budget(rnd.local_steps, factor))
 
-    def _write_exchanged(self, tag: str, wire: Callable[[str, torch.Tensor], np.ndarray]
+    def _update_writer(self, tag: str, allocate: bool = False) -> handoff.Writer:
+        return handoff.Writer(self.layout.wire_spec(), tag=f"{self.site}-{tag}", allocate=allocate)
+
+    def _write_exchanged(self, writer: handoff.Writer | None,
+                         put: Callable[[handoff.Writer], Callable[[str, torch.Tensor], None]]
                          ) -> tuple[handoff.Handle | None, list[str]]:
-        """Collective: stream the exchanged tensors into a hand-off file of rank 0's, one tensor at a
-        time, each as `wire(name, tensor)` gives it; (its handle on rank 0, every rank's digest)."""
-        writer = handoff.Writer(self.layout.wire_spec(), tag=f"{self.site}-{tag}") if self.rank == 0 else None
+        """Collective: stream the exchanged tensors into rank 0's hand-off file `writer` (None on the
+        other ranks), one tensor at a time, each written by `put(writer)(name, tensor)`; (its handle
+        on rank 0, every rank's digest)."""
         try:
-            digests = self.gather((lambda name, t: writer.write(name, wire(name, t))) if writer is not None else None)
+            digests = self.gather(put(writer) if writer is not None else None)
         except BaseException:
             if writer is not None:  # no reply will name this file: free its memory now
                 writer.close()
@@ -732,7 +749,8 @@ class Session:
         caller (rank 0's `fut`) reads and unlinks. At discovery it is how a site shows it already
         holds the coordinator's starting model, which round 1 then does not send (federation's
         downlink, site/downlink_mod.py `offer_held`)."""
-        handle, _ = self._write_exchanged("export", lambda name, t: layout.to_wire(t))
+        handle, _ = self._write_exchanged(self._update_writer("export") if self.rank == 0 else None,
+                                          lambda writer: update_pack.UpdatePacker(writer, {}, None).weights)
         if handle is None:
             return
         self.last_files.append(handle.path)  # unlinked at the next round if the caller is gone
@@ -743,21 +761,17 @@ class Session:
 
     def _pack_update(self, req: _Request, kind: str, round_no: int) -> tuple[handoff.Handle | None, list[str]]:
         """Collective: stream the exchanged tensors into rank 0's hand-off file (weights, or the delta
-        from the global model it read), one tensor at a time; every rank gets every rank's digest."""
-        specs = {s.name: s for s in self.layout.exchanged}
+        from the global model it read), one tensor at a time, each written once in its wire dtype
+        (`update_pack`); every rank gets every rank's digest."""
+        def put(writer: handoff.Writer) -> Callable[[str, torch.Tensor], None]:
+            mapped = req.premapped.arrays() if req.premapped is not None else None
+            packer = update_pack.UpdatePacker(writer, {s.name: s for s in self.layout.exchanged}, req.reader, mapped)
+            return packer.delta if kind == "delta" else packer.weights
 
-        def put(name: str, t: torch.Tensor) -> np.ndarray:
-            out = layout.to_wire(t)
-            if kind == "delta":
-                glob = req.reader[name]  # a fresh copy of the global tensor: subtract into it
-                if glob.dtype == out.dtype and out.dtype.kind == "f":
-                    out = np.subtract(out, glob, out=glob)
-                else:  # raw bf16 words, or a float32 global of a bf16 tensor: subtract in float32
-                    g = layout.from_wire(glob, specs[name].dtype).float()
-                    out = layout.to_wire((t.float() - g).to(specs[name].dtype))
-            return out
-
-        handle, digests = self._write_exchanged("update", put)
+        writer = None
+        if self.rank == 0:  # the file allocated while the round trained (a new one if the round has none)
+            writer, req.update = req.update or self._update_writer("update"), None
+        handle, digests = self._write_exchanged(writer, put)
         if handle is not None and self.config.site.dump_updates:
             dump = Path(self.config.workdir) / "updates"
             dump.mkdir(parents=True, exist_ok=True)

@@ -11,15 +11,17 @@ Cheap on purpose, because the hand-off sits between every two rounds:
 - in: rank 0 reads each tensor straight into its destination (on the CPU, the parameter itself;
   on a GPU, a pinned staging buffer copied asynchronously, double-buffered) while the previous
   tensor's broadcast is still travelling; finiteness is checked as each tensor arrives (one
-  min/max reduction on the tensor's device, flags read once at the end), not in a second pass;
-- out: on a GPU each tensor is copied to pinned memory asynchronously; hashing and rank 0's
-  packing (delta, write) run on two worker threads (hashlib, numpy and pwrite release the GIL),
-  side by side and overlapping the next tensor's all-gather and copy.
+  min/max reduction on the tensor's device, flags read once at the end; on the CPU on a worker
+  thread while the next tensor is read);
+- out: on a GPU each tensor is copied to pinned memory asynchronously; the digest
+  (`weights_digest`, at memory speed) and rank 0's packing (`update_pack`: the update written once,
+  in its wire dtype) run on two worker threads (torch, numpy and pwrite release the GIL), side by
+  side and overlapping the next tensor's all-gather and copy.
 """
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -29,6 +31,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from site_trainer import layout
+from site_trainer.weights_digest import WeightsDigest
 
 Entry = tuple[str, torch.Tensor]  # (state-dict name, the tensor the module holds: plain or DTensor)
 ReadInto = Callable[[str, np.ndarray], None]  # rank 0: fill this wire-dtype array with tensor `name`
@@ -88,6 +91,42 @@ def _keep(local_target: torch.Tensor, full: torch.Tensor) -> None:
         local_target.copy_(full)
 
 
+class _FiniteChecks:
+    """Rank 0's flags of tensors holding a NaN or an Inf, one min/max reduction per tensor (NaN
+    propagates through it) on the tensor's device. On the CPU each check runs on a worker thread
+    while the next tensor is read (torch releases the GIL), at most two pending."""
+
+    def __init__(self, count: int, device: torch.device, on: bool):
+        self.flags = torch.zeros(count, dtype=torch.bool, device=device) if on else None
+        self._pool = ThreadPoolExecutor(1, "sovfl-check") if on and device.type == "cpu" else None
+        self._pending: list[Future] = []
+
+    def _flag(self, i: int, t: torch.Tensor) -> None:
+        if t.numel() and t.is_floating_point():
+            lo, hi = torch.aminmax(t)
+            self.flags[i] = ~(torch.isfinite(lo) & torch.isfinite(hi))
+
+    def check(self, i: int, t: torch.Tensor) -> None:
+        if self.flags is None:
+            return
+        if self._pool is None:
+            self._flag(i, t)
+            return
+        self._pending.append(self._pool.submit(self._flag, i, t))
+        if len(self._pending) > 2:
+            self._pending.pop(0).result()
+
+    def flagged(self) -> list[int]:
+        """The indices of the tensors that are not finite (waits for the pending checks)."""
+        while self._pending:
+            self._pending.pop(0).result()
+        return [] if self.flags is None else torch.nonzero(self.flags.cpu()).flatten().tolist()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+
 @torch.no_grad()
 def stream_in(entries: Sequence[Entry], read: ReadInto | None, device: torch.device, check_finite: bool = True
               ) -> dict[str, str]:
@@ -99,7 +138,6 @@ def stream_in(entries: Sequence[Entry], read: ReadInto | None, device: torch.dev
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     staging = _Staging(device)
-    flags = torch.zeros(len(entries), dtype=torch.bool, device=device) if rank == 0 and check_finite else None
     unreadable: dict[str, str] = {}
     in_flight: list[tuple[dist.Work | None, torch.Tensor, torch.Tensor]] = []
 
@@ -108,40 +146,36 @@ def stream_in(entries: Sequence[Entry], read: ReadInto | None, device: torch.dev
             work.wait()
         _keep(target, full)
 
-    for i, (name, t) in enumerate(entries):
-        dtype, shape = t.dtype, tuple(t.shape)
-        direct = not isinstance(t, DTensor) and t.device == device and t.is_contiguous()
-        dest = t if direct else torch.empty(shape, dtype=dtype, device=device)
-        if rank == 0:
-            wire = layout.wire_dtype(dtype)
-            try:
-                if device.type == "cpu":
-                    read(name, layout.to_wire(dest.detach()))
-                else:
-                    j, raw = staging.take(dest.numel() * dest.element_size())
-                    read(name, raw.numpy().view(wire).reshape(shape))
-                    dest.copy_(_as_dtype(raw, dtype, shape), non_blocking=True)
-                    staging.mark(j)
-            except (OSError, ValueError, KeyError) as err:
-                unreadable[name] = f"cannot be read ({err})"
-                dest.zero_()  # the others wait for this broadcast: send something, then refuse the load
-            if flags is not None and dest.numel():
-                lo, hi = torch.aminmax(dest)
-                flags[i] = ~(torch.isfinite(lo) & torch.isfinite(hi))
-        # asynchronous: rank 0 reads the next tensor while this one travels (at most two in flight)
-        in_flight.append((dist.broadcast(dest, src=0, async_op=True) if world > 1 else None, t, dest))
-        if len(in_flight) == 2:
-            finish(*in_flight.pop(0))
-        del dest
-    for item in in_flight:
-        finish(*item)
-    in_flight.clear()
-    bad: list = [None]
-    if rank == 0:
-        if flags is not None:
-            for i in torch.nonzero(flags.cpu()).flatten().tolist():
-                unreadable.setdefault(entries[i][0], "contains NaN or Inf")
-        bad[0] = unreadable
+    with contextlib.closing(_FiniteChecks(len(entries), device, rank == 0 and check_finite)) as checks:
+        for i, (name, t) in enumerate(entries):
+            dtype, shape = t.dtype, tuple(t.shape)
+            direct = not isinstance(t, DTensor) and t.device == device and t.is_contiguous()
+            dest = t if direct else torch.empty(shape, dtype=dtype, device=device)
+            if rank == 0:
+                wire = layout.wire_dtype(dtype)
+                try:
+                    if device.type == "cpu":
+                        read(name, layout.to_wire(dest.detach()))
+                    else:
+                        j, raw = staging.take(dest.numel() * dest.element_size())
+                        read(name, raw.numpy().view(wire).reshape(shape))
+                        dest.copy_(_as_dtype(raw, dtype, shape), non_blocking=True)
+                        staging.mark(j)
+                    checks.check(i, dest)
+                except (OSError, ValueError, KeyError) as err:
+                    unreadable[name] = f"cannot be read ({err})"
+                    dest.zero_()  # the others wait for this broadcast: send something, then refuse the load
+            # asynchronous: rank 0 reads the next tensor while this one travels (at most two in flight)
+            in_flight.append((dist.broadcast(dest, src=0, async_op=True) if world > 1 else None, t, dest))
+            if len(in_flight) == 2:
+                finish(*in_flight.pop(0))
+            del dest
+        for item in in_flight:
+            finish(*item)
+        in_flight.clear()
+        for i in checks.flagged():
+            unreadable.setdefault(entries[i][0], "contains NaN or Inf")
+    bad: list = [unreadable if rank == 0 else None]
     if world > 1:
         dist.broadcast_object_list(bad, src=0)
     return bad[0]
@@ -153,11 +187,11 @@ def stream_out(entries: Sequence[Entry], visit: Callable[[str, torch.Tensor], No
     """Collective under ZeRO: walk the full tensors in order, one CPU tensor at a time, calling
     `visit(name, tensor)` on each (rank 0 packs them); return this rank's digest.
 
-    The digest is sha256 (16 hex chars) of the tensors' bytes as they travel, back to back: under
+    The digest (`WeightsDigest`, 16 hex chars) is of the tensors' bytes as they travel: under
     ddp of this rank's replica, under ZeRO of the full tensors as this rank assembles them from
     every shard. Equal for equal weights whatever the parallelism.
     """
-    h = hashlib.sha256()
+    h = WeightsDigest()
     staging = _Staging(device)
     pending: list[list[Future]] = []
 
@@ -167,7 +201,7 @@ def stream_out(entries: Sequence[Entry], visit: Callable[[str, torch.Tensor], No
 
     def digest(host: torch.Tensor, copied: torch.cuda.Event | None) -> None:
         landed(copied)
-        h.update(layout.to_wire(host).reshape(-1).view(np.uint8))
+        h.update(host)
 
     def consume(name: str, host: torch.Tensor, copied: torch.cuda.Event | None) -> None:
         landed(copied)
@@ -196,4 +230,4 @@ def stream_out(entries: Sequence[Entry], visit: Callable[[str, torch.Tensor], No
         for futs in pending:
             for fut in futs:
                 fut.result()
-    return h.hexdigest()[:16]
+    return h.hexdigest()
