@@ -96,6 +96,21 @@ class SiteSupervisor:
             return float(NODE_HOLD_S)
         return self.watch(name, start, hold=hold)
 
+    def watch_superexec(self, site: str, start: Callable[[int], Proc], workers: int) -> Proc:
+        """A site's warm SuperExec, `start(workers)`. Should it exit, what restarts in its place is
+        Flower's own SuperExec, `start(0)` (a fresh ClientApp process per message), said in one line."""
+        name = f"site {site}: SuperExec"
+        lives = [workers]
+
+        def start_next() -> Proc:
+            if len(lives) == 2 and workers:
+                self.progress(f"{name}: the warm ClientApp executor exited; Flower's subprocess executor "
+                              "(flower-superexec, a fresh flwr-clientapp process per message) serves the site from now on")
+            proc = start(lives[-1])
+            lives.append(0)
+            return proc
+        return self.watch(name, start_next)
+
     def watch_link(self, name: str, address: str) -> None:
         """Restart `name` (a SuperNode) when `address` (its SuperLink) comes back after being unreachable."""
         self.links[name] = (address, None, 0.0)
