@@ -14,6 +14,8 @@ runs `check()` before anything else and, when it fails, hands the site to Flower
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib
 import inspect
 from importlib.metadata import version
 
@@ -38,6 +40,7 @@ try:
     from flwr.supercore.superexec.run_superexec import _get_task_poll_interval, _handle_launch_result
     from flwr.supercore.telemetry import EventType
     from flwr.supercore.tls import validate_and_resolve_root_certificates
+    run_clientapp_module = importlib.import_module("flwr.supernode.runtime.run_clientapp")
     from flwr.supernode.runtime.run_clientapp import run_clientapp
 except ImportError as _err:  # a name moved: say which, not a bare ImportError deep in a site's start
     raise FlowerInternalsChanged(f"the warm ClientApp executor imports a flwr internal that flwr "
@@ -64,6 +67,10 @@ CALLS = {  # function -> the parameters it is called with
     "RuntimeHttpClient.from_server_address": (RuntimeHttpClient.from_server_address,
                                               ("server_address", "insecure", "root_certificates", "interceptors",
                                                "retry_invoker")),
+    "run_clientapp_module.pull_and_inflate_object_from_tree": (
+        getattr(run_clientapp_module, "pull_and_inflate_object_from_tree", None),
+        ("object_tree", "pull_object_fn", "confirm_object_received_fn", "return_type", "max_concurrent_pulls",
+         "max_time", "max_tries_per_object", "initial_backoff", "backoff_cap")),
     "_get_task_poll_interval": (_get_task_poll_interval, ()),
     "_handle_launch_result": (_handle_launch_result, ("result", "task")),
     "validate_and_resolve_root_certificates": (validate_and_resolve_root_certificates,
@@ -101,6 +108,21 @@ def differences() -> list[str]:
     if not hasattr(make_simple_http_retry_invoker(), "max_tries"):
         out.append("flwr's RetryInvoker has no max_tries")
     return out
+
+
+def prompt_object_pulls(initial_backoff_s: float = 0.05, backoff_cap_s: float = 1.0) -> None:
+    """In this process, Flower's ClientApp runtime asks the SuperNode again for a message object
+    not stored yet after `initial_backoff_s`, doubling up to `backoff_cap_s` (flwr's defaults: 1 s
+    doubling up to 10 s). A SuperNode makes a task startable before it has pulled the message's
+    objects from the SuperLink (flwr's supernode/start_client_internal.py stores the message
+    first); a fresh `flwr-clientapp` process spends its imports meanwhile, a warm worker asks at
+    once, and with flwr's defaults it would then wait a whole second for objects that arrive
+    milliseconds later. The override is this module attribute of flwr's run_clientapp module, in
+    a warm worker's own process only: the function and its arguments are Flower's."""
+    pull = run_clientapp_module.pull_and_inflate_object_from_tree
+    base = pull.func if isinstance(pull, functools.partial) else pull
+    run_clientapp_module.pull_and_inflate_object_from_tree = functools.partial(
+        base, initial_backoff=initial_backoff_s, backoff_cap=backoff_cap_s)
 
 
 def check() -> None:

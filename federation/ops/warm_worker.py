@@ -4,9 +4,11 @@ The warm executor (warm_executor.py) starts workers ahead of any message. A work
 Flower's ClientApp runtime (flwr, httpx, protobuf), our ClientApp with its mods (gRPC; never
 torch), writes `ready` to the file descriptor it was given, then waits on stdin for its one task:
 a JSON line with the task's token and the SuperNode's Runtime API (a pipe, not argv, which other
-users of the machine can read). It runs Flower's `run_clientapp` for that token exactly as a
+users of the machine can read). It runs Flower's `run_clientapp` for that token as a
 `flwr-clientapp` process would: the message comes over the Runtime API, the reply goes back the
-same way, and the process ends with Flower's exit code. One task per process, so nothing of one
+same way, and the process ends with Flower's exit code. One difference: a message object the
+SuperNode has not stored yet is asked for again after 50 ms rather than 1 s
+(flower_exec.prompt_object_pulls), since a warm worker asks as soon as the task exists. One task per process, so nothing of one
 message, run or key can reach the next. End of input before a task (the SuperExec went away)
 ends it quietly.
 """
@@ -22,11 +24,21 @@ import time
 
 def warm_up() -> None:
     """Import what every task needs, so that no task waits for it."""
+    import encodings.cp437  # noqa: F401 - the FAB's zip names
     import flwr.cli.install  # noqa: F401 - the FAB install each task runs
     import flwr.clientapp.utils  # noqa: F401 - the app loader
+    import grpc._channel  # noqa: F401 - imported by gRPC's first channel (the trainer call)
+    import grpc._simple_stubs  # noqa: F401
+    from cryptography.hazmat.backends.openssl import backend  # noqa: F401 - loaded by the first certificate read
 
-    import federation.ops.flower_exec  # noqa: F401 - Flower's ClientApp runtime
     import federation.site.client_app  # noqa: F401 - our ClientApp, its mods, gRPC
+    from federation.ops import flower_exec as fx
+
+    # Flower's Runtime API client imports its HTTP transport (httpcore, h11) when the first one is
+    # made: make one (it opens no connection) and close it.
+    fx.RuntimeHttpClient.from_server_address(server_address="127.0.0.1:9", insecure=True, root_certificates=None,
+                                             interceptors=[], retry_invoker=fx.make_simple_http_retry_invoker()).close()
+    fx.prompt_object_pulls()  # the task's objects may still be on their way to the SuperNode (flower_exec.py)
 
 
 def read_task() -> dict | None:
