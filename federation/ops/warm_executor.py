@@ -186,6 +186,7 @@ class WarmClientAppExecutor:
             while (worker := self._ready_worker()) is not None:
                 self.idle.remove(worker)
                 if self._hand(worker, spec):
+                    self.log(f"task {spec.task_id} handed to worker pid {worker.popen.pid}")
                     self.busy[worker.popen.pid] = (worker.popen, spec.task_id)
                     self.served["warm"] += 1
                     self._top_up()  # the replacement starts while the task runs
