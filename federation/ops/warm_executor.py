@@ -129,7 +129,10 @@ class WarmClientAppExecutor:
                 self.log(f"an idle worker (pid {worker.popen.pid}) exited with code {code}; starting another")
                 continue
             self.failed_starts += 1
-            if self.failed_starts >= self.max_failed_starts:
+            if self.failed_starts < self.max_failed_starts:
+                self.log(f"a starting worker (pid {worker.popen.pid}) exited with code {code} before it was ready "
+                         f"({self.failed_starts} in a row; the pool gives up at {self.max_failed_starts}); starting another")
+            else:
                 self._fall_back(f"{self.failed_starts} workers in a row exited with code {code} before they were "
                                 "ready (their output is above)")
 
