@@ -69,6 +69,7 @@ def serve(address: str, insecure: bool, root_certificates: str | None, executor)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Check flwr's internals (else exec Flower's SuperExec), start the pool, serve."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runtime-api-address", required=True, help="the SuperNode's Runtime API (HOST:PORT)")
     ap.add_argument("--insecure", action="store_true", help="plain HTTP to the Runtime API (loopback)")

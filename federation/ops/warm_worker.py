@@ -60,6 +60,7 @@ def serve(task: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Warm up, say ready, serve the one task handed over (none: exit quietly)."""
     ap = argparse.ArgumentParser(description="a warm ClientApp worker (started by the warm executor)")
     ap.add_argument("--ready-fd", type=int, required=True, help="where to write `ready` once warm")
     args = ap.parse_args(argv)
