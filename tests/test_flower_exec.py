@@ -48,8 +48,8 @@ def test_the_warm_executor_has_flowers_executor_interface():
 def test_prompt_object_pulls_keeps_flowers_function_and_only_changes_its_backoff(monkeypatch):
     original = fx.run_clientapp_module.pull_and_inflate_object_from_tree
     monkeypatch.setattr(fx.run_clientapp_module, "pull_and_inflate_object_from_tree", original)
-    fx.prompt_object_pulls(0.05, 1.0)
-    fx.prompt_object_pulls(0.05, 1.0)  # twice: still one layer over Flower's function
+    fx.prompt_object_pulls(0.05, 0.25)
+    fx.prompt_object_pulls(0.05, 0.25)  # twice: still one layer over Flower's function
     pull = fx.run_clientapp_module.pull_and_inflate_object_from_tree
     assert isinstance(pull, functools.partial) and pull.func is original
-    assert pull.keywords == {"initial_backoff": 0.05, "backoff_cap": 1.0}
+    assert pull.keywords == {"initial_backoff": 0.05, "backoff_cap": 0.25, "max_tries_per_object": 20000}

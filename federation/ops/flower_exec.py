@@ -47,6 +47,7 @@ except ImportError as _err:  # a name moved: say which, not a bare ImportError d
                                  f"{version('flwr')} no longer has: {_err}. {HINT}") from _err
 
 FLWR_VERSION = "1.41.0"  # the flwr whose internals this module was written against (pyproject pins it)
+FLOWER_OBJECT_WAIT_S = 5000.0  # about how long flwr's ClientApp waits for one message object (500 tries, 1-10 s apart)
 
 # What the executor reads and calls, as that flwr has it.
 EXECUTION_SPEC_FIELDS = ("task_type", "runtime_api_address", "token", "insecure", "root_certificates_path",
@@ -110,19 +111,22 @@ def differences() -> list[str]:
     return out
 
 
-def prompt_object_pulls(initial_backoff_s: float = 0.05, backoff_cap_s: float = 1.0) -> None:
+def prompt_object_pulls(initial_backoff_s: float = 0.05, backoff_cap_s: float = 0.25) -> None:
     """In this process, Flower's ClientApp runtime asks the SuperNode again for a message object
     not stored yet after `initial_backoff_s`, doubling up to `backoff_cap_s` (flwr's defaults: 1 s
     doubling up to 10 s). A SuperNode makes a task startable before it has pulled the message's
     objects from the SuperLink (flwr's supernode/start_client_internal.py stores the message
     first); a fresh `flwr-clientapp` process spends its imports meanwhile, a warm worker asks at
-    once, and with flwr's defaults it would then wait a whole second for objects that arrive
-    milliseconds later. The override is this module attribute of flwr's run_clientapp module, in
-    a warm worker's own process only: the function and its arguments are Flower's."""
+    once, and with flwr's defaults it would then wait a whole second (and up to ten) for objects
+    that arrive milliseconds later. Each retry is one local request to the SuperNode; the tries
+    allowed per object grow so that an object may take as long as with flwr's defaults (about
+    5000 s) to arrive. The override is this module attribute of flwr's run_clientapp module, in a
+    warm worker's own process only: the function and its arguments are Flower's."""
     pull = run_clientapp_module.pull_and_inflate_object_from_tree
     base = pull.func if isinstance(pull, functools.partial) else pull
     run_clientapp_module.pull_and_inflate_object_from_tree = functools.partial(
-        base, initial_backoff=initial_backoff_s, backoff_cap=backoff_cap_s)
+        base, initial_backoff=initial_backoff_s, backoff_cap=backoff_cap_s,
+        max_tries_per_object=int(FLOWER_OBJECT_WAIT_S / backoff_cap_s))
 
 
 def check() -> None:

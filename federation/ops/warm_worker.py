@@ -7,10 +7,10 @@ a JSON line with the task's token and the SuperNode's Runtime API (a pipe, not a
 users of the machine can read). It runs Flower's `run_clientapp` for that token as a
 `flwr-clientapp` process would: the message comes over the Runtime API, the reply goes back the
 same way, and the process ends with Flower's exit code. One difference: a message object the
-SuperNode has not stored yet is asked for again after 50 ms rather than 1 s
-(flower_exec.prompt_object_pulls), since a warm worker asks as soon as the task exists. One task per process, so nothing of one
-message, run or key can reach the next. End of input before a task (the SuperExec went away)
-ends it quietly.
+SuperNode has not stored yet is asked for again within 50-250 ms rather than 1-10 s
+(flower_exec.prompt_object_pulls), since a warm worker asks as soon as the task exists. One task
+per process, so nothing of one message, run or key can reach the next. End of input before a
+task (the SuperExec went away) ends it quietly.
 """
 
 from __future__ import annotations
