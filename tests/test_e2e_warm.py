@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import digits_site, live_marked, sovfl_popen, write_config
-from faults import output_of, release_stage, stage_hook_env, wait_for_stage
+from faults import output_of, release_stage, signal_trainer, stage_hook_env, wait_for_stage
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow(seconds=240)]
 
@@ -50,20 +50,6 @@ def has_unix_socket(pid: int) -> bool:
     except OSError:
         return False
     return any(fd.startswith("socket:[") and fd[8:-1] in unix for fd in fds)
-
-
-def signal_trainer(run: Path, site: str, sig: int) -> None:
-    needle = str(run / "sites" / site / "trainer.json").encode()
-    hit = 0
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if needle in (entry / "cmdline").read_bytes():
-                    os.kill(int(entry.name), sig)
-                    hit += 1
-            except (OSError, ProcessLookupError):
-                pass
-    assert hit >= 1, f"found no trainer process for site {site}"
 
 
 def test_warm_workers_serve_every_message_and_survive_kills(tmp_path, marker):
