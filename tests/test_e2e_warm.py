@@ -112,3 +112,73 @@ def test_warm_workers_serve_every_message_and_survive_kills(tmp_path, marker):
     assert "cannot start" not in a_text + b_text
     assert len(set(handed(a_log))) == len(handed(a_log))  # one task per worker
     assert live_marked(marker) == []
+
+
+def test_two_runs_back_to_back_on_one_site_share_no_worker(tmp_path, marker):
+    """`sovfl site` for two sites, then two coordinators one after the other on the same port: two
+    Flower runs of two federations (other names, hence other SecAgg+ contexts, pairwise keys and
+    masks) served by the same SuperExecs and pools. Both runs aggregate every round with both sites,
+    every message is served warm, and no worker serves more than one message (nothing of run one
+    can reach run two: its keys lived in processes that are gone)."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, as_foreground
+    from faults import wait_rounds
+    from federation.ops.launcher import free_port
+
+    def cfg(name: str) -> dict:
+        return {"federation": {"name": name, "rounds": 2, "quorum": 3, "warm_clientapps": 2,
+                               "secagg": {"enabled": True, "threshold": 2},
+                               "deadlines": {"connect_s": 120, "round_s": 120, "evaluate_s": 60, "secagg_stage_s": 60}},
+                "workload": {"task": "digits", "options": {"hidden": 8}},
+                "sites": [digits_site(i, n, 1) for i, n in enumerate(("a", "b", "c"))]}
+
+    port, env = free_port(), {**os.environ, "SOVFL_RUN_MARKER": marker, "FLWR_TELEMETRY_ENABLED": "0"}
+    paths = [write_config(tmp_path / f"{n}.yaml", cfg(n)) for n in ("one", "two")]
+    pki = tmp_path / "pki"
+    cli = [sys.executable, "-m", "federation.ops.cli"]
+    prov = subprocess.run([*cli, "provision", str(pki), "--site", "a", "--site", "b", "--site", "c"],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    assert prov.returncode == 0, prov.stderr
+
+    def popen(*args: str) -> subprocess.Popen:
+        return subprocess.Popen([*cli, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                                env=env, preexec_fn=as_foreground)
+
+    sites = [popen("site", str(paths[0]), "--site", s, "--superlink", f"127.0.0.1:{port}", "--workdir",
+                   str(tmp_path / s), "--socket", str(tmp_path / f"{s}.sock"), "--bundle", str(pki / "sites" / s))
+             for s in ("a", "b", "c")]
+    coords = []
+    try:
+        for i, path in enumerate(paths):
+            coord = popen("coordinator", str(path), "--host", "127.0.0.1", "--port", str(port), "--workdir",
+                          str(tmp_path / f"coord{i}"), "--bundle", str(pki / "coordinator"))
+            coords.append(coord)
+            wait_rounds(tmp_path / f"coord{i}", [1, 2], coord, timeout_s=600)
+            out, _ = coord.communicate(timeout=120)
+            assert coord.returncode == 0 and "RESULT rounds=2" in out, out
+            time.sleep(5)  # the sites' link watch sees the SuperLink gone before the next one starts
+        superexecs = {s: json.loads((tmp_path / s / "pids.json").read_text())[f"site-{s}-superexec"] for s in "abc"}
+        for s in sites:
+            assert s.poll() is None
+            s.send_signal(signal.SIGINT)
+        for s in sites:
+            s.communicate(timeout=60)
+    finally:
+        for p in (*coords, *sites):
+            if p.poll() is None:
+                p.kill()
+    for i in range(2):
+        lines = [json.loads(x) for x in (tmp_path / f"coord{i}" / "metrics.jsonl").read_text().splitlines()]
+        assert [sorted(x["sites"]) for x in lines] == [["a", "b", "c"]] * 2
+        for line in lines:
+            assert all(set(c.get("executors", {"warm": 1})) == {"warm"}
+                       for c in line["timing"]["message_cost"].values()), line["timing"]["message_cost"]
+    for s in "abc":
+        log = (tmp_path / s / "logs" / f"site-{s}-superexec.log").read_text(errors="replace")
+        pids = handed(tmp_path / s / "logs" / f"site-{s}-superexec.log")
+        assert len(pids) >= 2 * 2 * 2 and len(set(pids)) == len(pids), pids  # two runs x two rounds x two messages
+        assert log.count("warm ClientApp worker(s) (pid") == 1  # one pool, started once, served both runs
+        assert superexecs[s] == json.loads((tmp_path / s / "pids.json").read_text())[f"site-{s}-superexec"]
+    assert live_marked(marker) == []
