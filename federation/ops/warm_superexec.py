@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runtime-api-address", required=True, help="the SuperNode's Runtime API (HOST:PORT)")
     ap.add_argument("--insecure", action="store_true", help="plain HTTP to the Runtime API (loopback)")
     ap.add_argument("--root-certificates", default=None, help="CA of the Runtime API's TLS certificate")
-    ap.add_argument("--workers", type=int, default=3, help="warm ClientApp workers kept ready")
+    ap.add_argument("--workers", type=int, default=2, help="warm ClientApp workers kept ready")
     args = ap.parse_args(argv)
     try:
         from federation.ops import flower_exec as fx
