@@ -18,7 +18,10 @@ per round come from our coordinator's message count (`messages` in the metrics l
 onwards (round 1 also carries site discovery). The first round of each side warms caches and is
 kept in the medians (both sides pay it).
 
-    .venv/bin/python benchmarks/round_latency.py [--rounds 5] [--sites 3] [--hidden 64]
+    .venv/bin/python benchmarks/round_latency.py [--rounds 5] [--sites 3] [--hidden 64] [--warm-clientapps N]
+
+Flower's side always runs Flower's own executor (a fresh `flwr-clientapp` per message); ours runs
+the warm ClientApp executor (federation.warm_clientapps), or Flower's with `--warm-clientapps 0`.
 
 Our messages are also split into their parts (federation/protocol/message_cost.py: launch,
 startup with our own imports, handler, return), median over every site's message of rounds 2+.
@@ -52,9 +55,11 @@ from federation.ops import launcher  # noqa: E402
 ANCHOR_APP = Path(__file__).parent / "flower_fedavg_app"
 
 
-def our_config(path: Path, sites: int, rounds: int, hidden: int, local_steps: int) -> Path:
+def our_config(path: Path, sites: int, rounds: int, hidden: int, local_steps: int,
+               warm_clientapps: int | None = None) -> Path:
     cfg = {
         "federation": {
+            **({} if warm_clientapps is None else {"warm_clientapps": warm_clientapps}),
             "name": "round-latency", "rounds": rounds, "quorum": max(2, sites - 1), "update_kind": "delta",
             "evaluate": True,
             "deadlines": {"connect_s": 120, "round_s": 120, "evaluate_s": 120, "secagg_stage_s": 60,
@@ -101,11 +106,14 @@ def main() -> None:
                     help="digits MLP hidden width: 2048 gives 153k parameters, about `make demo`'s model")
     ap.add_argument("--local-steps", type=int, default=10)
     ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--warm-clientapps", type=int, default=None,
+                    help="our sites' warm ClientApp workers (default: the config's default; 0: Flower's executor)")
     args = ap.parse_args()
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="round-latency-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    config = our_config(workdir / "ours.yaml", args.sites, args.rounds, args.hidden, args.local_steps)
+    config = our_config(workdir / "ours.yaml", args.sites, args.rounds, args.hidden, args.local_steps,
+                        args.warm_clientapps)
 
     t0 = time.monotonic()
     lines = run_ours(workdir, config)

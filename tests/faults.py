@@ -52,6 +52,22 @@ def kill_coordinator(run: Path, marker: str) -> list[tuple[int, bytes]]:
 
 # ---- site side: a site's trainer rank and its SuperNode ---------------------------------
 
+def signal_trainer(run: Path, site: str, sig: int) -> None:
+    """Signal every process of a site's trainer pool (torchrun puts its ranks in their own sessions;
+    a one-rank site is its one rank)."""
+    needle = str(Path(run) / "sites" / site / "trainer.json").encode()
+    hit = 0
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if needle in (entry / "cmdline").read_bytes():
+                    os.kill(int(entry.name), sig)
+                    hit += 1
+            except (OSError, ProcessLookupError):
+                pass
+    assert hit >= 1, f"found no trainer process for site {site}"
+
+
 def _args(pid: int) -> list[bytes]:
     return Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
 

@@ -12,26 +12,10 @@ import numpy as np
 import pytest
 
 from conftest import digits_site, live_marked, sovfl_popen, write_config
-from faults import wait_metrics_line
+from faults import signal_trainer, wait_metrics_line
 from federation.coordinator.checkpoint import load_checkpoint, read_checkpoint
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow(seconds=200)]
-
-
-def _signal_trainer(run: Path, site: str, sig: int) -> None:
-    """Signal every process of a site's trainer pool (torchrun puts its ranks in their own sessions;
-    a one-rank site is its one rank)."""
-    needle = str(run / "sites" / site / "trainer.json").encode()
-    hit = 0
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if needle in (entry / "cmdline").read_bytes():
-                    os.kill(int(entry.name), sig)
-                    hit += 1
-            except (OSError, ProcessLookupError):
-                pass
-    assert hit >= 1, f"found no trainer process for site {site}"
 
 
 def test_crash_hang_and_hostile_site(tmp_path, marker):
@@ -54,11 +38,11 @@ def test_crash_hang_and_hostile_site(tmp_path, marker):
     try:
         metrics = run / "metrics.jsonl"
         wait_metrics_line(metrics, 1, proc, 300)
-        _signal_trainer(run, "c", signal.SIGKILL)  # crash
+        signal_trainer(run, "c", signal.SIGKILL)  # crash
         # the `flwr run --stream` log stream dies (as a SuperLink 500 on it ends it): the run goes on
         os.kill(json.loads((run / "pids.json").read_text())["flwr-run"], signal.SIGKILL)
         wait_metrics_line(metrics, 2, proc, 200)
-        _signal_trainer(run, "b", signal.SIGSTOP)  # hang
+        signal_trainer(run, "b", signal.SIGSTOP)  # hang
         out, _ = proc.communicate(timeout=200)
     finally:
         if proc.poll() is None:

@@ -36,11 +36,26 @@ def test_the_split_adds_up_to_the_coordinators_wait():
     rec["process_start"] = 999.0  # a known process start
     cost = message_cost.split(content, pushed=996.0, pulled=1003.0)
     assert cost == {"total_s": 7.0, "launch_s": 3.0, "startup_s": 1.0, "handler_s": 2.5, "return_s": 0.5,
-                    "app_import_s": 0.3}
+                    "app_import_s": 0.3, "executor": "subprocess"}
     del rec["process_start"]  # no /proc on the site: launch and startup together
     assert message_cost.split(content, 996.0, 1003.0) == {"total_s": 7.0, "launch_s": 4.0, "handler_s": 2.5,
-                                                           "return_s": 0.5}
+                                                           "return_s": 0.5, "executor": "subprocess"}
     assert message_cost.split(RecordDict(), 996.0, 1003.0) == {"total_s": 7.0}  # an unstamped reply
+
+
+def test_a_warm_workers_message_starts_when_it_was_handed_the_task(monkeypatch):
+    """A warm worker's process is older than its message: the split starts at the hand-off, its own
+    imports (paid before) are not the message's, and the split names the executor."""
+    monkeypatch.setenv(message_cost.TASK_START_ENV, "999.5")
+    content = RecordDict()
+    message_cost.stamp(content, handler_start=1000.0, handler_end=1002.5, app_import_s=0.3)
+    cost = message_cost.split(content, pushed=996.0, pulled=1003.0)
+    assert cost == {"total_s": 7.0, "launch_s": 3.5, "startup_s": 0.5, "handler_s": 2.5, "return_s": 0.5,
+                    "app_import_s": 0.0, "executor": "warm"}
+    stages = [{"messages": {"a": cost, "b": {**cost, "executor": "subprocess"}}}, {"messages": {"a": cost}}]
+    summary = message_cost.per_site(stages)
+    assert summary["a"]["executors"] == {"warm": 2} and summary["a"]["messages"] == 2
+    assert summary["b"]["executors"] == {"subprocess": 1} and summary["b"]["startup_s"] == 0.5
 
 
 def test_a_rounds_metrics_line_splits_each_sites_messages(tmp_path):

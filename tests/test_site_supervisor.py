@@ -129,3 +129,30 @@ def test_link_watch_restarts_a_live_supernode_when_its_superlink_comes_back(sup)
     clock.t += site_supervisor.PROBE_EVERY_S
     guard.tick()  # down again: no restart until it comes back
     assert len(lines) == 2
+
+
+def test_a_warm_superexec_that_exits_is_replaced_by_flowers_own(sup):
+    """The warm SuperExec is started with its workers; should it exit, Flower's SuperExec (0 workers)
+    takes its place, said in one line, and stays (a second death restarts Flower's again)."""
+    clock, lines, asked = Clock(), [], []
+
+    def start(workers: int):
+        asked.append(workers)
+        return sup.start(f"superexec-{len(asked)}", CRASH if workers else SLEEP)
+
+    guard = SiteSupervisor(sup, SiteRestarts(backoff_s=0, backoff_max_s=0), lines.append, clock)
+    first = guard.watch_superexec("x", start, 3)
+    assert asked == [3]
+    _wait_dead(first)
+    guard.tick()  # notices the death
+    guard.tick()  # restarts
+    assert asked == [3, 0]
+    fallback = [line for line in lines if "Flower's subprocess executor" in line]
+    assert len(fallback) == 1 and fallback[0].startswith("site x: SuperExec: the warm ClientApp executor exited")
+    second = guard.proc("site x: SuperExec")
+    assert second.alive()
+    second.popen.kill()
+    _wait_dead(second)
+    guard.tick()
+    guard.tick()
+    assert asked == [3, 0, 0] and len([line for line in lines if "Flower's subprocess executor" in line]) == 1

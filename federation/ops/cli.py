@@ -149,10 +149,9 @@ def cmd_site(args: argparse.Namespace) -> int:
         trainer = guard.watch_trainer(site.id, partial(_start_node0_pool, sup, site, cfg, sock, start_s), sock)
         launcher.wait_trainers({site.id: trainer}, {site.id: sock}, start_s, print)
         data = {} if args.insecure else {"data-address": args.data or data_address_of(args.superlink)}
-        guard.watch_supernode(site.id, partial(launcher.start_supernode, sup, site, args.superlink, sock, bundle,
-                                               args.insecure, {**launcher.site_attestation_config(cfg, site.id, workdir),
-                                                               **data}),
-                              args.superlink, None if args.insecure else bundle)
+        launcher.watch_site_node(guard, sup, site, args.superlink, sock, bundle, args.insecure,
+                                 {**launcher.site_attestation_config(cfg, site.id, workdir), **data},
+                                 cfg.federation.warm_clientapps)
         if cfg.federation.site_restarts.link_watch:
             guard.watch_link(f"site {site.id}: SuperNode", args.superlink)
         print(f"site {site.id}: SuperNode connected to {args.superlink}; Ctrl-C to stop")

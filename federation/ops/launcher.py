@@ -15,6 +15,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from functools import partial
@@ -107,11 +108,14 @@ def start_trainer(sup: Supervisor, site: SiteConfig, cfg: ExperimentConfig, sock
 
 def start_supernode(sup: Supervisor, site: SiteConfig, superlink: str, socket_path: str,
                     bundle: Path | None = None, insecure: bool = False,
-                    extra_node_config: dict[str, str] | None = None) -> Proc:
+                    extra_node_config: dict[str, str] | None = None, runtime_port: int | None = None) -> Proc:
     """With `bundle` (the site's provisioned directory) the ClientApp signs (and seals) updates
     with its keys and, unless `insecure`, the SuperNode uses TLS verified against the federation
     CA and authenticates with its provisioned key.
-    `extra_node_config` adds `key="value"` pairs (site-local settings the ClientApp reads)."""
+    `extra_node_config` adds `key="value"` pairs (site-local settings the ClientApp reads).
+    With `runtime_port` the SuperNode serves its Runtime API there and starts no SuperExec of its
+    own (`--isolation process`): start_superexec's serves it; without, Flower's SuperExec starts a
+    fresh `flwr-clientapp` process per message."""
     cfg = {"site-id": site.id, "trainer-socket": socket_path}
     if bundle is not None:
         cfg["bundle-dir"] = str(bundle)
@@ -121,9 +125,32 @@ def start_supernode(sup: Supervisor, site: SiteConfig, superlink: str, socket_pa
     security = ["--insecure"] if insecure else [
         "--root-certificates", str(bundle / "ca.crt"), "--auth-supernode-private-key", str(bundle / "supernode_auth.key")]
     return sup.start(f"site-{site.id}-supernode", [
-        _bin("flower-supernode"), *security, "--superlink", superlink, "--port", str(free_port()),
-        "--node-config", node_config, "--max-wait-time", "600",
+        _bin("flower-supernode"), *security, "--superlink", superlink, "--port", str(runtime_port or free_port()),
+        *(["--isolation", "process"] if runtime_port else []), "--node-config", node_config, "--max-wait-time", "600",
     ], extra_env=superexec_poll_env())
+
+
+def start_superexec(sup: Supervisor, site_id: str, runtime_port: int, workers: int) -> Proc:
+    """The SuperExec of a site's SuperNode started with `runtime_port`: ours with `workers` warm
+    ClientApp workers (federation/ops/warm_superexec.py), or with 0 Flower's `flower-superexec`."""
+    address = ["--runtime-api-address", f"127.0.0.1:{runtime_port}", "--insecure"]  # loopback, as Flower's own
+    argv = [sys.executable, "-m", "federation.ops.warm_superexec", *address, "--workers", str(workers)] if workers \
+        else [_bin("flower-superexec"), *address]
+    return sup.start(f"site-{site_id}-superexec", argv, extra_env=superexec_poll_env())
+
+
+def watch_site_node(guard, sup: Supervisor, site: SiteConfig, superlink: str, socket_path: str,
+                    bundle: Path | None, insecure: bool, extra_node_config: dict[str, str], warm: int) -> Proc:
+    """A site's SuperNode under its supervisor and, with `warm` > 0 (federation.warm_clientapps),
+    the warm SuperExec beside it, on a Runtime API port kept across SuperNode restarts (the
+    SuperExec outlives them); its SuperNode Proc."""
+    port = free_port() if warm else None
+    node = guard.watch_supernode(site.id, partial(start_supernode, sup, site, superlink, socket_path, bundle, insecure,
+                                                  extra_node_config, runtime_port=port),
+                                 superlink, None if insecure else bundle)
+    if port is not None:
+        guard.watch_superexec(site.id, partial(start_superexec, sup, site.id, port), warm)
+    return node
 
 
 SUPEREXEC_POLL_ENV = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL"  # flwr 1.41's one knob on a message's path (seconds)
@@ -345,10 +372,9 @@ def simulate(config_path: str | Path, workdir: str | Path | None = None,
         for s in cfg.sites:
             s_dial = site_tap(s.id, dial) if site_tap else dial
             s_data = site_tap(s.id, data) if site_tap and data else data
-            guard.watch_supernode(s.id, partial(
-                start_supernode, sup, s, s_dial, sockets[s.id], pki / "sites" / s.id, insecure,
-                {**site_att[s.id], **({"data-address": s_data} if s_data else {}), **(node_config or {}).get(s.id, {})}),
-                s_dial, None if insecure else pki / "sites" / s.id)
+            watch_site_node(guard, sup, s, s_dial, sockets[s.id], pki / "sites" / s.id, insecure,
+                            {**site_att[s.id], **({"data-address": s_data} if s_data else {}),
+                             **(node_config or {}).get(s.id, {})}, cfg.federation.warm_clientapps)
         result = watch_run(sup, [superlink, run], run_deadline(cfg), progress, tick=guard.tick)
     finally:
         sup.close()

@@ -1,7 +1,7 @@
 """Keeps a site's processes running: a dead trainer pool or SuperNode is started again.
 
-`sovfl site` and `sovfl simulate` start each site's torchrun (its trainer ranks) and its SuperNode
-through a `SiteSupervisor`; their wait loops call `tick()`, which notices a process that died
+`sovfl site` and `sovfl simulate` start each site's torchrun (its trainer ranks), its SuperNode and
+its SuperExec through a `SiteSupervisor`; their wait loops call `tick()`, which notices a process that died
 (a rank SIGKILLed takes its torchrun down with it: torchrun runs with no restarts of its own) and
 restarts it after a back-off, within the budget of `federation.site_restarts`
 (federation/config/restart_config.py). Every restart is a line on the progress output.
@@ -16,6 +16,10 @@ What a restart brings back:
   keeps addressing. A SuperNode killed without deactivating stays "online" at the SuperLink until
   its heartbeat expires (flwr 1.41: 2 x 30 s), and the SuperLink refuses to activate the same key
   again before that; the first restart of an authenticated SuperNode waits that long.
+- SuperExec (the warm ClientApp executor, federation.warm_clientapps): independent of the
+  SuperNode's restarts (it asks the same Runtime API port again until the SuperNode is back);
+  should it exit, Flower's own `flower-superexec` takes its place for the rest of the run, said in
+  one line.
 - link watch (`sovfl site`): a SuperNode whose SuperLink was unreachable and is back (a restarted
   coordinator) is restarted too, gracefully (it deactivates itself): flwr 1.41 SuperNodes that stay
   connected across a SuperLink restart receive the new run's messages but start no ClientApp.
@@ -95,6 +99,21 @@ class SiteSupervisor:
                           f"heartbeat to expire ({NODE_HOLD_S:g}s)")
             return float(NODE_HOLD_S)
         return self.watch(name, start, hold=hold)
+
+    def watch_superexec(self, site: str, start: Callable[[int], Proc], workers: int) -> Proc:
+        """A site's warm SuperExec, `start(workers)`. Should it exit, what restarts in its place is
+        Flower's own SuperExec, `start(0)` (a fresh ClientApp process per message), said in one line."""
+        name = f"site {site}: SuperExec"
+        lives = [workers]
+
+        def start_next() -> Proc:
+            if len(lives) == 2 and workers:
+                self.progress(f"{name}: the warm ClientApp executor exited; Flower's subprocess executor "
+                              "(flower-superexec, a fresh flwr-clientapp process per message) serves the site from now on")
+            proc = start(lives[-1])
+            lives.append(0)
+            return proc
+        return self.watch(name, start_next)
 
     def watch_link(self, name: str, address: str) -> None:
         """Restart `name` (a SuperNode) when `address` (its SuperLink) comes back after being unreachable."""

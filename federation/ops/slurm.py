@@ -2,8 +2,8 @@
 sbatch script (`sovfl slurm-script`) that starts it there with srun, one task per node.
 
 Slurm says where each task runs: `SLURM_NODEID` is this node's index in the allocation (its
-`--node-rank`), `SLURM_JOB_NODELIST` the allocation's nodes in order; node 0 runs the SuperNode and
-rank 0's endpoint and hosts the torch rendezvous, so the site's `rdzv_endpoint` is node 0's address
+`--node-rank`), `SLURM_JOB_NODELIST` the allocation's nodes in order; node 0 runs the SuperNode (with its warm
+ClientApp executor, federation/ops/warm_executor.py) and rank 0's endpoint and hosts the torch rendezvous, so the site's `rdzv_endpoint` is node 0's address
 (Slurm's NodeAddr for it) at the port the configuration gives. Everything else is `sovfl site` as
 on any machine: the same supervisor restarts a dead pool or SuperNode inside the allocation.
 `scancel` sends SIGTERM to every node's `sovfl site`, which stops its processes and exits.

@@ -1,7 +1,8 @@
 """The ClientApp: a bare call to the site's trainer, wrapped in Flower mods.
 
-Flower starts one `flwr-clientapp` process per message, so nothing here is long-lived and torch is
-never imported: the trainer is the site trainer service, reached over a Unix socket with tensors in
+Each message is served by a process of its own (a warm worker that imported this module before the
+message came, federation/ops/warm_executor.py, or with Flower's executor a fresh `flwr-clientapp`),
+so nothing here is long-lived and torch is never imported: the trainer is the site trainer service, reached over a Unix socket with tensors in
 shared memory (trainer_call.py). Each concern of the site is one mod, outermost first:
 
   SiteScope         one SiteEnv per message (keys, settings, round config, trainer, store), relay_s
@@ -29,7 +30,7 @@ import logging
 import time
 from collections.abc import Callable
 
-_IMPORTS_START = time.perf_counter()  # our imports are paid by every message's fresh process (APP_IMPORT_S)
+_IMPORTS_START = time.perf_counter()  # our imports, paid once per ClientApp process (APP_IMPORT_S)
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp

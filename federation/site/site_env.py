@@ -1,6 +1,6 @@
 """What the mods of one message share about their site, loaded at most once per message.
 
-Flower starts a fresh ClientApp process per message and hands every mod the same `Context`. The
+Every message has a ClientApp process of its own, and Flower hands every mod the same `Context`. The
 outermost mod (`SiteScope`, installed by client_app.build_client_app) makes one `SiteEnv` per
 message; every inner mod and the bare trainer call find it with `SiteEnv.current(context)`. The
 site's bundle (its keys and the federation registry), its attestation settings, the parsed round
