@@ -301,7 +301,7 @@ class LocalTrainer:
             with strategies.gradient_sync(self.model, self.parallelism, sync=i == k - 1):
                 with strategies.autocast(self.parallelism, self.device, self.dtype):
                     loss = self.task.loss(self.model, batch)
-                (loss.float() / k).backward()
+                (loss.float() / k if k > 1 else loss.float()).backward()  # no divide op for one micro-batch
             total[0] += loss.detach().double() * n
             total[1] += n
         if self.replicated:

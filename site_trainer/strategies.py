@@ -158,8 +158,10 @@ def _recompute_in_backward(block: nn.Module) -> None:
 
 def wrap(module: nn.Module, strategy: str, dtype: torch.dtype | None, activation_checkpointing: bool,
          device: torch.device, blocks: Sequence[nn.Module] | None = None) -> nn.Module:
-    """Return the model to train: DDP around `module`, or `module` itself sharded in place (FSDP2),
-    block by block (`blocks`, default `find_blocks(module)`)."""
+    """Return the model to train: DDP around `module` (`module` itself on a single rank, where DDP
+    would only add per-step work: gradient hooks, a buffer broadcast before every forward, an
+    all-reduce of every bucket), or `module` itself sharded in place (FSDP2), block by block
+    (`blocks`, default `find_blocks(module)`)."""
     blocks = list(find_blocks(module) if blocks is None else blocks)
     if activation_checkpointing:
         if blocks:
@@ -169,6 +171,8 @@ def wrap(module: nn.Module, strategy: str, dtype: torch.dtype | None, activation
             log.warning("activation_checkpointing: found no repeated blocks in %s; nothing to recompute",
                         type(module).__name__)
     if strategy == "ddp":
+        if dist.get_world_size() == 1:  # nothing to synchronize: no reducer hooks, buffer broadcasts or all-reduces
+            return module
         ddp = DDP(module, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
         if dtype is not None:
             ddp.register_comm_hook(None, _reduce_in(dtype))
@@ -231,7 +235,7 @@ def gradient_sync(model: nn.Module, strategy: str, sync: bool):
     if sync:
         yield
     elif strategy == "ddp":
-        with model.no_sync():
+        with model.no_sync() if isinstance(model, DDP) else contextlib.nullcontext():
             yield
     else:
         model.set_requires_gradient_sync(False)
