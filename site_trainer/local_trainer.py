@@ -25,9 +25,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.data import default_collate
 
-from site_trainer import host_memory, layout, strategies, transfer, workload_loader
+from site_trainer import host_memory, layout, strategies, workload_loader
 from site_trainer.config import TrainerConfig
 from site_trainer.pii import transform as pii_transform
+from site_trainer.rank0_build import stream_rank0_build
 from site_trainer.session import RequestRejected, Session
 from site_trainer.workload import Batch, TaskContext
 
@@ -204,49 +205,13 @@ class LocalTrainer:
             with host_memory.long_lived():
                 strategies.materialize_shards(module, self.device)
             if lay.frozen:
-                self._stream_rank0_build(module, lay, frozen)
+                stream_rank0_build(module, self.task.build_model, lay, frozen, seed=self.cfg.seed,
+                                   rank=self.rank, device=self.device)
         elif self.rank == 0:
             tensors = layout.named_tensors(module)
             for name in lay.frozen:
                 frozen.update(name, tensors[name])
         return module, model, lay.names, frozen
-
-    def _stream_rank0_build(self, module: nn.Module, lay: layout.Layout, frozen: layout.FrozenDigest) -> None:
-        """Collective: rank 0 builds the real model on its CPU and streams every state-dict tensor
-        (parameters and buffers, a tied one once) into each rank's shards; the frozen ones are
-        hashed as they pass."""
-        ref: dict[str, torch.Tensor] = {}
-        if self.rank == 0:
-            torch.manual_seed(self.cfg.seed)
-            ref = layout.named_tensors(self.task.build_model())
-        tensors = layout.named_tensors(module)
-        seen: set[int] = set()
-        entries = []
-        for name, t in tensors.items():
-            if id(t) not in seen:
-                seen.add(id(t))
-                entries.append((name, t))
-        order = list(tensors)
-        to_hash = set(lay.frozen)
-        done = [0]
-
-        def hash_up_to(position: int) -> None:
-            while done[0] < position:
-                name = order[done[0]]
-                if name in to_hash:
-                    frozen.update(name, ref[name])
-                done[0] += 1
-
-        def read(name: str, out: np.ndarray) -> None:
-            t = ref[name].detach().contiguous()
-            out[...] = layout.to_wire(t)
-            hash_up_to(order.index(name) + 1)
-
-        with torch.no_grad():
-            transfer.stream_in(entries, read if self.rank == 0 else None, self.device, check_finite=False)
-        if self.rank == 0:
-            hash_up_to(len(order))
-        del ref
 
     # ---- the round ------------------------------------------------------------------------
     def load_global(self, arrays: Mapping[str, np.ndarray] | None) -> None:

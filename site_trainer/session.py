@@ -28,13 +28,8 @@ same session. A script started by `sovfl` finds its configuration in $SOVFL_TRAI
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import os
-import queue
-import signal
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
@@ -48,7 +43,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from site_trainer import endpoint, handoff, layout, local_checkpoint, strategies, transfer, update_pack
+from site_trainer import handoff, layout, strategies, transfer, update_pack
+from site_trainer.command_loop import CommandLoop, _Request, open_global
+from site_trainer.command_loop import RequestRejected  # noqa: F401 - re-exported: part of the session's API
+from site_trainer.local_checkpoints import LocalCheckpoints
 from site_trainer.overlap import BackgroundStep, Overlap, background_budget
 from site_trainer.config import SiteConfig, TrainerConfig
 from site_trainer.launch import check_node_rank
@@ -57,17 +55,11 @@ log = logging.getLogger("sovfl.trainer")
 
 ENV_CONFIG = "SOVFL_TRAINER_CONFIG"  # path of the TrainerConfig JSON the launcher wrote
 ENV_NODE_RANK = "SOVFL_NODE_RANK"  # multi-node sites: this node's index (0 serves the endpoint)
-HEARTBEAT_S = 5.0
-POLL_S = 0.2  # how often rank 0 looks at the stop flag while idle
 PG_TIMEOUT = timedelta(minutes=10)
 
 
 class SessionError(RuntimeError):
     """The training loop used the session wrongly (the message says how to fix it)."""
-
-
-class RequestRejected(ValueError):
-    """A round request is unusable (wrong model layout, non-finite values): answered, not trained."""
 
 
 class StateHook(Protocol):
@@ -193,36 +185,6 @@ class Round:
         self._session._refuse(self, reason)
 
 
-class _Request:
-    """Rank 0's side of one command: the caller's future and the open global model."""
-
-    def __init__(self, method: str, request: dict, fut: Future | None, reader: handoff.Reader | None):
-        self.method, self.request, self.fut, self.reader = method, request, fut, reader
-        self.update: handoff.Writer | None = None  # the update's file, allocated while the round trains
-        self.premapped: handoff.Premapped | None = None  # the global model, mapped while the round trains
-
-    def answer(self, reply: dict) -> None:
-        fut, self.fut = self.fut, None
-        if fut is None:
-            return
-        if fut.set_running_or_notify_cancel():
-            fut.set_result(reply)
-        else:  # nobody waits any more
-            handoff.release((reply.get("update") or {}).get("path"))
-
-    def close(self) -> None:
-        if self.reader is not None:
-            self.reader.close()
-            self.reader = None
-        if self.premapped is not None:
-            self.premapped.drop()
-            self.premapped = None
-        if self.update is not None:  # the round ended without an update: nobody will read the file
-            self.update.close()
-            handoff.release(self.update.handle.path)
-            self.update = None
-
-
 def _wire_read(source: Mapping[str, np.ndarray]):
     """A `transfer.ReadInto` over named arrays: a hand-off Reader (pread straight into the
     destination when the dtypes agree) or any mapping of arrays; a float32 global of a bf16
@@ -274,17 +236,16 @@ class Session:
         # by rank 0 to every train reply as they are: numbers only, never text.
         self.site_metrics = {str(k): float(v) for k, v in (site_metrics or {}).items()}
         self.rounds_reported = 0
-        self._stop_requested = False
-        self.commands: queue.Queue = queue.Queue()
         self.last_files: list[str | None] = []
         self.ckpt_due: int | None = None  # rank 0: the round the next local checkpoint covers
         self.trained_round = 0  # the newest round trained (a local checkpoint's round after a resume)
         self._current: _Request | None = None
         # federation.overlap: steps between a reply and the next request (site_trainer/overlap.py)
         self.overlap = Overlap()
-        self._idle_s = 0.0  # rank 0: seconds waiting for a command since the last train reply
         self._last_reply: float | None = None  # rank 0: when the last train reply was answered
         self._overlap_warned = False
+        self.loop = CommandLoop(self)  # rank 0's request pump, every rank's next command
+        self.checkpoints = LocalCheckpoints(self)
         if self.rank == 0:  # update files of this site's killed predecessors (never released)
             for path in handoff.sweep_stale(f"{self.site}-update"):
                 log.info("site %s: removed the hand-off file %s of a trainer that no longer runs", self.site, path)
@@ -376,50 +337,16 @@ class Session:
 
     def handle(self, method: str, request: dict) -> dict:
         """Called on gRPC threads: queue the work for the ranks' loop and wait for its answer."""
-        if method == "Info":
-            return self.info()
-        if method == "Stop":
-            self._stop_requested = True
-            return {"ok": True, "stopping": True}
-        fut: Future = Future()
-        self.commands.put((method, request, fut))
-        try:
-            return fut.result(timeout=float(request.get("timeout_s", 600)))
-        except TimeoutError:
-            fut.cancel()
-            return {"ok": False, "error": f"site {self.site}: {method} did not finish in time"}
+        return self.loop.handle(method, request)
 
     def open_global(self, request: dict) -> handoff.Reader:
-        """Rank 0: open the request's global model and check its layout (names, dtypes, shapes)
-        before any rank sees it; values are checked as they load. RequestRejected says what is wrong."""
-        try:
-            reader = handoff.Reader(handoff.Handle.from_json(request["global"]))
-        except (KeyError, OSError, ValueError) as err:
-            raise RequestRejected(f"cannot read the global model hand-off: {err}") from None
-        try:
-            self._check_layout(reader)
-        except BaseException:
-            reader.close()
-            raise
-        return reader
-
-    def _check_layout(self, reader: handoff.Reader) -> None:
-        names = self.layout.names
-        if list(reader) != names:
-            missing = sorted(set(names) - set(reader))
-            extra = sorted(set(reader) - set(names))
-            raise RequestRejected(f"global model does not match this site's model: missing {missing[:5]}, "
-                                  f"unexpected {extra[:5]}")
-        for e, spec in zip(reader.handle.entries, self.layout.exchanged):
-            ok = layout.accepted_wire(spec.dtype)
-            if e.dtype not in ok or e.shape != spec.shape:
-                raise RequestRejected(f"global tensor {e.name}: got {e.dtype}{e.shape}, expected "
-                                      f"{' or '.join(ok)}{spec.shape} ({layout.dtype_name(spec.dtype)})")
+        """Rank 0: the request's global model, its layout checked (`command_loop.open_global`)."""
+        return open_global(request, self.layout)
 
     # ---- all ranks: the loop ---------------------------------------------------------------
     def stop(self) -> None:
         """Ask the loop to end after the current round (any rank may call it; rank 0's call counts)."""
-        self._stop_requested = True
+        self.loop.stop_requested = True
 
     def rounds(self) -> Iterator[Round]:
         """Collective: the coordinator's requests, the same on every rank, until the trainer is stopped.
@@ -427,151 +354,13 @@ class Session:
         Serves the endpoint (rank 0) from the first iteration; SIGTERM ends the loop cleanly on
         every rank once the current round is answered.
         """
-        server = self._serve() if self.rank == 0 else None
-        previous = self._catch_sigterm()
-        try:
-            while True:
-                req, kind = self._next_command()
-                if kind == "stop":
-                    return
-                if kind is None:
-                    continue
-                rnd = self._begin(req, kind)
-                if rnd is None:
-                    continue
-                try:
-                    yield rnd
-                except GeneratorExit:  # the loop was left mid-round: answer, then let it close
-                    self._end(rnd, closing=True)
-                    raise
-                self._end(rnd)
-        finally:
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
-            if server is not None:
-                self._shutdown(server)
-
-    def _catch_sigterm(self):
-        if threading.current_thread() is not threading.main_thread():
-            return None
-
-        def on_term(signum, frame):  # noqa: ARG001 - only a flag: the loop ends at its next command
-            self._stop_requested = True
-        return signal.signal(signal.SIGTERM, on_term)
-
-    def _serve(self):
-        server = endpoint.serve(self.config.socket, self.handle)
-        Path(self.config.socket + ".ready").write_text(json.dumps(self.info()))
-        log.info("site %s: trainer ready with %d rank(s) on %s", self.site, self.world, self.config.socket)
-        return server
-
-    def _shutdown(self, server) -> None:
-        server.stop(grace=1.0)
-        if self._current is not None:
-            self._current.answer({"ok": False, "error": f"site {self.site}: the training loop stopped"})
-            self._current.close()
-        while True:
-            try:
-                _, _, fut = self.commands.get_nowait()
-            except queue.Empty:
-                break
-            if fut is not None and fut.set_running_or_notify_cancel():
-                fut.set_result({"ok": False, "error": f"site {self.site}: the trainer is stopping"})
-        for path in self.last_files:
-            handoff.release(path)
-        for p in (self.config.socket, self.config.socket + ".ready"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(p)
-
-    def _take_request(self) -> tuple[str, dict, Future | None]:
-        """Rank 0: the next request, background steps while they are due and none came (federation.
-        overlap), a heartbeat when none came in time, or Stop. Time spent waiting is idle time."""
-        background = self.overlap.pending
-        now = time.monotonic()
-        end = now + (0.0 if self.ckpt_due is not None or background else HEARTBEAT_S)  # a due checkpoint: now
-        try:
-            while not self._stop_requested:
-                try:
-                    method, request, fut = self.commands.get(timeout=max(0.0, min(POLL_S, end - time.monotonic())))
-                    return method, request, fut
-                except queue.Empty:
-                    if time.monotonic() >= end:
-                        if background:
-                            return "Step", {"steps": self._background_chunk()}, None
-                        return "Heartbeat", {}, None
-            return "Stop", {}, None
-        finally:
-            if not background and self.ckpt_due is None:
-                self._idle_s += time.monotonic() - now
-
-    def _background_chunk(self) -> int:
-        """Rank 0: how many background steps to run before looking for a request again: about
-        POLL_S of work (one step at first), never past the budget."""
-        ov = self.overlap
-        per_step = ov.seconds / ov.steps if ov.steps else POLL_S
-        return max(1, min(ov.budget - ov.steps, int(POLL_S / max(per_step, 1e-6))))
-
-    def _next_command(self) -> tuple[_Request | None, str | None]:
-        """Collective: rank 0 takes the next request and tells every rank what to run ("train",
-        "evaluate", "stop" or None for a heartbeat), writing a due local checkpoint first."""
-        if self.rank == 0:
-            method, request, fut = self._take_request()
-            ckpt = None
-            if self.ckpt_due is not None:
-                ckpt, self.ckpt_due = self.ckpt_due, None
-            reader = None
-            if method in ("Train", "Evaluate"):
-                for path in self.last_files:  # the previous reply has been read by now
-                    handoff.release(path)
-                self.last_files = []
-                try:
-                    if fut.cancelled():
-                        raise RequestRejected("the caller gave up before the request was taken")
-                    reader = self.open_global(request)
-                except RequestRejected as err:
-                    if not fut.cancelled():
-                        fut.set_result({"ok": False, "error": f"site {self.site}: {err}"})
-                    method, request, fut = "Heartbeat", {}, None
-            elif method == "Export":
-                pass  # every rank streams its part (below)
-            elif fut is not None:  # a caller's method the loop does not run (Heartbeat, Step, Stop are its own)
-                fut.set_result({"ok": False, "error": f"site {self.site}: unknown method {method!r}"})
-                method, request, fut = "Heartbeat", {}, None
-            header = [method, {k: v for k, v in request.items() if k != "global"}, ckpt]
-        else:
-            header, fut = [None, None, None], None
-        if self.world > 1:
-            dist.broadcast_object_list(header, src=0)
-        method, request, ckpt = header
-        if ckpt is not None:
-            self.save_checkpoint(ckpt)
-        if method == "Stop":
-            return None, "stop"
-        if method == "Heartbeat":
-            return None, None
-        if method == "Step":  # every rank: the same background steps (site_trainer/overlap.py)
-            self.overlap.run(int(request["steps"]))
-            return None, None
-        if method == "Export":
-            self._export(fut)
-            return None, None
-        req = _Request(method, request, fut, reader) if self.rank == 0 else _Request(method, request, None, None)
-        return req, {"Train": "train", "Evaluate": "evaluate"}[method]
+        return self.loop.rounds()
 
     def serve_one(self, method: str, request: dict, body) -> dict:
         """Collective: one request, handed over in-process instead of through the endpoint (every
         rank passes the same `request`; tools and benchmarks): the same load, `body(round)` and
         reply as a served request. Returns the reply on rank 0, {} elsewhere."""
-        kind = {"Train": "train", "Evaluate": "evaluate"}[method]
-        fut: Future | None = Future() if self.rank == 0 else None
-        reader = self.open_global(request) if self.rank == 0 else None
-        rnd = self._begin(_Request(method, request, fut, reader), kind)
-        if rnd is not None:
-            try:
-                body(rnd)
-            finally:
-                self._end(rnd)
-        return fut.result(timeout=0) if fut is not None else {}
+        return self.loop.serve_one(method, request, body)
 
     def _begin(self, req: _Request, kind: str) -> Round | None:
         """Collective: load the global model; None (the request answered) when it is refused. A
@@ -703,7 +492,7 @@ class Session:
         """Rank 0, at a train reply: the seconds the ranks waited for a command since the previous
         train reply and their share of that span (none at the first reply of this trainer)."""
         now, last = time.monotonic(), self._last_reply
-        idle, self._idle_s, self._last_reply = self._idle_s, 0.0, now
+        idle, self.loop.idle_s, self._last_reply = self.loop.idle_s, 0.0, now
         if last is None or now <= last:
             return {}
         return {"idle_s": idle, "idle_fraction": min(1.0, idle / (now - last))}
@@ -778,65 +567,19 @@ class Session:
             np.savez(dump / f"round_{round_no:04d}.npz", **handoff.map_arrays(handle))
         return handle, digests
 
-    # ---- local checkpoints ----------------------------------------------------------------
+    # ---- local checkpoints (local_checkpoints.py) ----------------------------------------
     def save_checkpoint(self, round_no: int) -> Path:
         """Collective: a sharded checkpoint of everything a resumed rank needs."""
-        t0 = time.perf_counter()
-        extras = {"rounds_reported": self.rounds_reported, "torch_rng": torch.get_rng_state(),
-                  "user": self.state.state_dict() if self.state is not None else {}}
-        path = local_checkpoint.save(self.config.workdir, round_no, self.model, self.optimizer, extras,
-                                     self.config.site.parallelism, self.config.site.checkpoint_keep)
-        if self.rank == 0:
-            log.info("site %s: local checkpoint of round %d in %s (%.2fs)", self.site, round_no, path,
-                     time.perf_counter() - t0)
-        return path
+        return self.checkpoints.save(round_no)
 
     def resume(self) -> int | None:
-        """Collective: restore the newest local checkpoint if there is one; returns its round (-1: a
-        checkpoint of another world size, model and optimizer only), None without one."""
-        path = local_checkpoint.find_latest(self.config.workdir)
-        if path is None:
-            return None
-        round_no = self._restore(path)
-        self.trained_round = max(round_no, 0)
-        if self.rank == 0:
-            log.info("site %s: resumed from local checkpoint %s (round %d: model, optimizer, RNG)", self.site, path,
-                     round_no)
-        return round_no
+        """Collective: restore the newest local checkpoint if there is one (`LocalCheckpoints.resume`)."""
+        return self.checkpoints.resume()
 
     def rewind(self, round_no: int) -> None:
-        """Collective: before training `round_no` again (it is not after the newest round trained),
-        restore the local checkpoint of the round before it: the optimizer's state (AdamW moments,
-        step count), the RNG and the loop's state then are what the first attempt started from, so
-        the rerun sends what that attempt sent. Exact with `checkpoint_every: 1` (and
-        `checkpoint_keep` >= 2); without one the state goes on from the dead attempt, with a warning
-        (no difference for plain SGD, which keeps none)."""
-        if round_no <= 0 or round_no > self.trained_round:
-            return
-        path = local_checkpoint.find_before(self.config.workdir, round_no) if self.config.site.checkpoint_every else None
-        if path is None:
-            if self.rank == 0:
-                log.warning("site %s: round %d is trained again, but no local checkpoint of an earlier round is "
-                            "there (checkpoint_every: 1 keeps one): the local optimizer state goes on from round %d",
-                            self.site, round_no, self.trained_round)
-            return
-        restored = self._restore(path)
-        if self.rank == 0:
-            log.info("site %s: round %d is trained again (the coordinator resumed): local state of round %d "
-                     "restored from %s", self.site, round_no, restored, path)
-
-    def _restore(self, path: Path) -> int:
-        """Collective: model, optimizer, RNG and loop state from the local checkpoint at `path`; its
-        round (-1: another world size, model and optimizer only)."""
-        saved = local_checkpoint.load(path, self.model, self.optimizer, self.config.site.parallelism)
-        if saved is None:
-            return -1
-        round_no, extras = saved
-        torch.set_rng_state(extras["torch_rng"])
-        self.rounds_reported = int(extras["rounds_reported"])
-        if self.state is not None:
-            self.state.load_state_dict(extras["user"])
-        return round_no
+        """Collective: before training `round_no` again, restore the local checkpoint of the round
+        before it (`LocalCheckpoints.rewind`)."""
+        self.checkpoints.rewind(round_no)
 
 
 def connect(model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
