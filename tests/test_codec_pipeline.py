@@ -59,7 +59,7 @@ def test_malformed_encoded_update_is_rejected_with_reason(corrupt, reason):
 def test_federation_with_topk_uplink_and_int8_downlink(tmp_path, marker):
     """Top-k + int8 with error feedback up, int8 global-model steps down: both shrink the bytes the
     real messages carry, every site ends up holding the same model, and the model trains."""
-    cfg = {"federation": {"name": "topk", "rounds": 2, "quorum": 2, "codec": "topk:0.05+int8",
+    cfg = {"federation": {"name": "topk", "rounds": 2, "quorum": 2, "codec": "topk:0.05+int8", "warm_clientapps": 2,
                           "downlink_codec": "int8"},
            "workload": {"task": "digits", "options": {"hidden": 32}},
            "sites": [{"id": n, "ranks": 1, "partition": i, "local_steps": 20, "batch_size": 16, "lr": 0.3}
