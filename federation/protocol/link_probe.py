@@ -41,7 +41,7 @@ class ProbeSettings:
 
     seconds: float = 0.5  # each direction's measurement runs at least this long (or up to max_bytes)
     max_bytes: int = 32 << 20  # each direction sends at most this much per measurement
-    pings: int = 10  # round trips whose median is the RTT
+    pings: int = 10  # round trips whose least is the RTT
     streams: int = 1  # parallel streams (TCP connections) the throughput is measured on; 0: a transfer's
 
     def to_record(self) -> ConfigRecord:

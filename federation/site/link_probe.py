@@ -5,8 +5,9 @@ stream). On one stream by default (`ProbeSettings.streams`): parallel streams in
 compete for its queue, and a stream stalled by a loss leaves the others idle at the end of a short
 measurement, which made four streams read 42-82 Mbit/s on the shaped 100 Mbit/s link where one
 stream reads 100; a transfer's parallel streams reach at least what one stream does. Every channel is opened first (its TCP
-and TLS handshakes are not the link's rate), then the round-trip time is the median of small
-echoes, then each direction moves zeros on every stream at once, starting small and growing until
+and TLS handshakes are not the link's rate), then the round-trip time is the least of small echoes
+(a stall in either end's scheduler only ever adds to an echo, so the least is the path's own, as
+TCP's min-RTT estimate takes it), then each direction moves zeros on every stream at once, starting small and growing until
 one measurement lasts `seconds` (or reaches `max_bytes`: the rate is then a lower bound, said by
 `capped`), and the better of two measurements of that size counts. The coordinator's side only counts and echoes, so the rates are the client's view: the
 time from the calls to their answers, less the answer's round trip.
@@ -14,7 +15,6 @@ time from the calls to their answers, less the answer's round trip.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -67,7 +67,7 @@ def probe(client: BulkClient, settings: lp.ProbeSettings, rnd: int = 0, timeout_
         t = time.perf_counter()
         echo[0](b"{}", timeout=timeout_s)
         rtts.append(time.perf_counter() - t)
-    rtt_s = statistics.median(rtts)
+    rtt_s = min(rtts)
     sink = [client.stub(k, "stream_unary", lp.SINK) for k in range(streams)]
     source = [client.stub(k, "unary_stream", lp.SOURCE) for k in range(streams)]
     zeros = memoryview(bytes(lp.PROBE_CHUNK))
