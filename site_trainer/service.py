@@ -47,8 +47,6 @@ def run(cfg: TrainerConfig, node_rank: int = 0) -> None:
     except PrivacyRefused as err:  # sites[].privacy the site cannot run: the reason, before it serves
         raise SystemExit(str(err)) from None
     trainer.serve()
-    with contextlib.suppress(Exception):  # only after a clean stop: see exit_now
-        dist.destroy_process_group()
 
 
 def run_script(cfg: TrainerConfig, config_path: str, node_rank: int = 0) -> None:
@@ -96,6 +94,20 @@ def main(argv: list[str] | None = None) -> None:
             run(cfg, args.node_rank)
     except BaseException as err:  # noqa: BLE001 - every way out of a failed rank ends in exit_now
         exit_now(err)
+    if cfg.script is None:
+        leave(0)
+
+
+def leave(code: int) -> None:
+    """Flush and exit without the interpreter's teardown. After the built-in loop's clean stop
+    every rank has left its last collective (the stop command), so nothing is owed to a peer; what
+    is left is the process group's C++ worker threads, and tearing those down while a peer tears
+    down its own can abort a rank ("terminate called without an active exception", SIGABRT), so
+    that a clean stop would read as a failed trainer. The kernel closes the group's sockets."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def exit_now(err: BaseException) -> None:
@@ -114,10 +126,7 @@ def exit_now(err: BaseException) -> None:
             print(err.code, file=sys.stderr)
         elif not isinstance(err, KeyboardInterrupt):
             traceback.print_exception(err)
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    leave(code)
 
 
 if __name__ == "__main__":
