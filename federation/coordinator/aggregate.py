@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from federation.coordinator.model_spill import step_into_mean
+from federation.coordinator.server_math import fedavg_into, replaces
 from federation.coordinator.spilled_mean import SpilledMean, disjoint, writable_f32
 from federation.protocol.codecs import Arrays
 
@@ -65,6 +66,21 @@ class WeightedMean:
         return out
 
 
+def _target(m: np.ndarray, u: np.ndarray, update_kind: str, lr: float, consume: bool,
+            in_place: bool) -> np.ndarray | None:
+    """Where FedAvg writes one tensor's next value: the old model's float32 array (`in_place`:
+    nothing else keeps the old model); None for the consumed mean's own array, slice by slice,
+    when the model is read-only (on disk while a SecAgg+ round held its ring, model_spill.py); the
+    consumed mean itself when the step is the mean and already float32; else a new float32 array."""
+    if in_place and writable_f32(m) and u.shape == m.shape:
+        return m
+    if in_place and consume and writable_f32(u) and u.shape == m.shape and m.dtype == np.float32:
+        return None
+    if replaces(update_kind, lr):
+        return u if consume and u.dtype == np.float32 else np.empty(u.shape, np.float32)
+    return np.empty(np.broadcast_shapes(m.shape, u.shape), np.float32)
+
+
 @dataclass
 class ServerOptimizer:
     """Applies the round's mean update to the global model; keeps FedAdam/FedYogi moments and
@@ -97,32 +113,15 @@ class ServerOptimizer:
             if self.strategy == "fedavg":
                 return mean_update.apply_fedavg(model, self.update_kind, self.lr, in_place=in_place)
             mean_update = mean_update.result()
-        if self.strategy == "fedavg":  # the commonest case, tensor by tensor: the peak is one tensor over model + mean
-            out = {}
-            in_place = in_place and disjoint(model)
-            for k in model:
-                u = mean_update.pop(k) if consume else mean_update[k]
-                m = model[k]
-                if in_place and writable_f32(m) and u.shape == m.shape:
-                    if self.update_kind == "weights" and self.lr == 1.0:
-                        np.copyto(m, u)
-                    else:
-                        np.add(m, self.lr * (u if self.update_kind == "delta" else u - m), out=m)
-                    out[k] = m
-                elif in_place and consume and writable_f32(u) and u.shape == m.shape and m.dtype == np.float32:
-                    # the model is read-only (on disk while a SecAgg+ round held its ring): the new
-                    # model goes into the consumed mean's array, the old one read slice by slice
-                    out[k] = step_into_mean(m, u, self.update_kind, self.lr)
-                elif self.update_kind == "weights" and self.lr == 1.0:
-                    out[k] = u.astype(np.float32, copy=not consume)
-                else:
-                    d = u if self.update_kind == "delta" else u - m
-                    out[k] = (m + self.lr * d).astype(np.float32, copy=False)
-                del u, m
-            return out
+        if self.strategy == "fedavg":
+            return self._fedavg(model, mean_update, consume, in_place and disjoint(model))
         delta = mean_update if self.update_kind == "delta" else {k: mean_update[k] - model[k] for k in model}
         if self.strategy == "diloco":
             return self._outer_sgd(model, delta)
+        return self._adaptive(model, delta)
+
+    def _adaptive(self, model: Arrays, delta: Arrays) -> Arrays:
+        """FedAdam's or FedYogi's step on the pseudo-gradient (Reddi et al.), updating m and v."""
         out = {}
         for k in model:
             d = delta[k].astype(np.float32)
@@ -135,6 +134,21 @@ class ServerOptimizer:
                 v = v - (1 - self.beta2) * d * d * np.sign(v - d * d)
             self.m[k], self.v[k] = m, v
             out[k] = (model[k] + self.lr * m / (np.sqrt(v) + self.tau)).astype(np.float32)
+        return out
+
+    def _fedavg(self, model: Arrays, mean: Arrays, consume: bool, in_place: bool) -> Arrays:
+        """FedAvg tensor by tensor (the peak is one tensor over model + mean): where each new
+        tensor goes is decided here (`_target`), its value in `server_math.fedavg_into`."""
+        out = {}
+        for k in model:
+            u = mean.pop(k) if consume else mean[k]
+            m = model[k]
+            target = _target(m, u, self.update_kind, self.lr, consume, in_place)
+            if target is None:  # the model is read-only (on disk): into the consumed mean, slice by slice
+                out[k] = step_into_mean(m, u, self.update_kind, self.lr)
+            else:
+                out[k] = fedavg_into(m, u, self.update_kind, self.lr, target)
+            del u, m
         return out
 
     def _outer_sgd(self, model: Arrays, delta: Arrays) -> Arrays:

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from federation.coordinator.envelope_opener import PageDropper
+from federation.coordinator.server_math import fedavg_into, replaces
 from federation.coordinator.spilled_mean import SUFFIX
 
 SLICE = 1 << 22  # elements per step: 16 MiB of the old model mapped in at a time
@@ -95,14 +96,12 @@ def step_into_mean(model: np.ndarray, mean: np.ndarray, update_kind: str, lr: fl
     """FedAvg's step written into `mean`'s own array (it is consumed), the old tensor read one slice
     at a time, its pages dropped once read: `model + lr * mean` (delta) or
     `model + lr * (mean - model)` (weights), in the in-place step's float32 operations."""
-    if update_kind == "weights" and lr == 1.0:
+    if replaces(update_kind, lr):
         return mean
     drop = PageDropper()
     old, new = model.reshape(-1), mean.reshape(-1)
     for lo in range(0, new.size, SLICE):
         m, u = old[lo:lo + SLICE], new[lo:lo + SLICE]
-        step = lr * (u if update_kind == "delta" else u - m)
-        np.add(m, step, out=u)
+        fedavg_into(m, u, update_kind, lr, out=u)
         drop(m)
-        del step
     return mean

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from federation.coordinator.server_math import fedavg_into
 from federation.protocol.codecs import Arrays
 from federation.protocol.codecs.base import RAW_BF16, bf16_to_float32
 from federation.protocol.pipeline import UpdateRejected
@@ -248,13 +249,7 @@ class SpilledMean:
             if not (in_place and writable_f32(model[name])):
                 out[name] = np.empty(model[name].shape, np.float32)
         for name, lo, hi, u in self.slices():
-            dst = out[name].reshape(-1)
-            if update_kind == "weights" and lr == 1.0:
-                dst[lo:hi] = u
-                continue
-            m = model[name].reshape(-1)[lo:hi]
-            d = u if update_kind == "delta" else u - m
-            dst[lo:hi] = (m + lr * d).astype(np.float32, copy=False)
+            fedavg_into(model[name].reshape(-1)[lo:hi], u, update_kind, lr, out=out[name].reshape(-1)[lo:hi])
         self.close()
         return out
 
