@@ -195,6 +195,25 @@ def wait_site_back(marker: str, site: str, socket: Path, since: float, nnodes: i
     raise AssertionError(f"site {site}'s trainer did not serve again within {timeout_s:.0f}s")
 
 
+def supernode_starts(run: Path, site: str) -> int:
+    """How many times `site`'s SuperNode has connected to the SuperLink in the run `run`: the lines
+    Flower's SuperNode logs once its node is activated ("SuperNode ID: ...")."""
+    log = run / "logs" / f"site-{site}-supernode.log"
+    return log.read_text(errors="replace").count("SuperNode ID:") if log.exists() else 0
+
+
+def wait_supernode_back(run: Path, site: str, before: int, timeout_s: float = 300.0) -> None:
+    """Block until `site`'s restarted SuperNode is active at the SuperLink: it connected more than
+    the `before` times counted before it was killed. A new process alone is not enough: a message
+    sent before its node is active is answered "Node Unavailable"."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if supernode_starts(run, site) > before:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"site {site}'s SuperNode did not connect again within {timeout_s:.0f}s")
+
+
 def wait_metrics_line(path: Path, n: int, proc: subprocess.Popen, timeout: float) -> list[dict]:
     """The run's metrics lines once there are at least `n`; fails if `proc` exits first or at the timeout."""
     end = time.monotonic() + timeout

@@ -18,7 +18,8 @@ import pytest
 
 from conftest import ROOT, as_foreground, sovfl_popen, write_config
 from faults import (kill_coordinator, kill_site_rank, kill_supernode, release_stage, site_rank_pids, stage_hook_env,
-                    supernode_pids, wait_for_stage, wait_gone, wait_rounds, wait_site_back)
+                    supernode_pids, supernode_starts, wait_for_stage, wait_gone, wait_rounds, wait_site_back,
+                    wait_supernode_back)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow(seconds=180)]
 
@@ -64,13 +65,12 @@ def test_killed_site_rank_and_supernode_rejoin_by_themselves(tmp_path, marker):
     killed = {}
 
     def kill_and_wait(run: Path, hook: Path, proc: subprocess.Popen) -> None:
+        starts = supernode_starts(run, "berlin")
         killed.update(rank=kill_site_rank(marker, "paris"), node=kill_supernode(marker, "berlin"))
         at = time.time()
         socket = json.loads((run / "sites" / "paris" / "trainer.json").read_text())["socket"]
         wait_site_back(marker, "paris", Path(socket), at)
-        end = time.monotonic() + 300
-        while not [p for p in supernode_pids(marker, "berlin") if p != killed["node"]] and time.monotonic() < end:
-            time.sleep(0.2)
+        wait_supernode_back(run, "berlin", starts)
 
     run, out = _held_run(tmp_path, marker, _config(tmp_path), f"{ROUNDS}:train", kill_and_wait)
     rank, node = killed["rank"], killed["node"]
