@@ -15,7 +15,8 @@ there. Each kill hits one of:
 - a site's SuperNode, or one of a site's trainer ranks: nothing is done by hand, the run's site
   supervisor restarts it (federation/ops/site_supervisor.py; ranks resume from the site's local
   checkpoint, sites[].checkpoint_every: 1). Site kills stop 5 rounds before the end (half the rounds in a
-  short run), so every killed site has rounds left to come back in.
+  short run), so every killed site has rounds left to come back in, and the coordinator is held
+  entering the last round until every killed site serves again (`wait_back`).
 A kill lands before the first round of an attempt finishes as often as not, so the run can take
 more kills than rounds.
 
@@ -58,7 +59,8 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 ROOT = Path(__file__).resolve().parents[1]
 
-from faults import kill_coordinator, kill_site_rank, kill_supernode, rounds_done, stage_entries, stage_hook_env  # noqa: E402,E501
+from faults import (kill_coordinator, kill_site_rank, kill_supernode, release_stage, rounds_done, stage_entries,  # noqa: E402
+                    stage_hook_env, supernode_starts, wait_site_back, wait_supernode_back)
 from federation.config.schema import Deadlines  # noqa: E402
 from federation.coordinator.checkpoint import CheckpointStore  # noqa: E402
 from federation.ops.launcher import marked_pids  # noqa: E402
@@ -72,6 +74,7 @@ SEEDED = {"SOVFL_TEST_CODEC_SITE_SEED": "7"}
 KINDS = ("coordinator", "supernode", "rank")
 SITE_KILLS_STOP = 5  # no site kill once fewer rounds than this are left
 TARGETS = ("aggregate", "checkpoint")  # brief stages a random moment seldom hits: held there by the stage hook
+LAST_ROUND_STAGE = "secagg stage"  # an attempt without a target is held entering its last round (see wait_back)
 
 
 def config(directory: Path, rounds: int) -> Path:
@@ -161,6 +164,24 @@ def kill_site(kind: str, site: str, marker: str) -> int | None:
         return None
 
 
+def wait_back(run: Path, marker: str, kills: list[tuple[str, str, int, float]], hook: Path) -> None:
+    """Let the coordinator, held entering the last round, go on once every site killed in the run
+    serves again: its restarted SuperNode active at the SuperLink, its restarted ranks ready. A
+    restart takes longer than a digits round on a loaded machine, and a site still restarting when
+    the last round starts could not show it is back. A site that is not back in time is said; the
+    run goes on, and the rejoin check then fails."""
+    for kind, site, starts, at in kills:
+        try:
+            if kind == "supernode":
+                wait_supernode_back(run, site, starts)
+            else:
+                socket = json.loads((run / "sites" / site / "trainer.json").read_text())["socket"]
+                wait_site_back(marker, site, Path(socket), at)
+        except AssertionError as err:
+            print(f"fault soak: {err}", flush=True)
+    release_stage(hook)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kills", type=int, default=20)
@@ -186,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     hook = work / "stages.jsonl"  # the stages the coordinator enters (test hook), to name where each kill landed
     stages: dict[str, int] = {}
     site_kills: list[tuple[str, int]] = []  # (site, rounds completed when it was killed)
+    restarts: list[tuple[str, str, int, float]] = []  # (kind, site, its SuperNode's starts, time) of each site kill
     out, first_round = "", 1
     while True:
         attempt += 1
@@ -196,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         target = None  # (round, stage) where this attempt's coordinator kill lands, the ServerApp held there
         if sum(counts.values()) < args.kills and rng.random() < args.target_share:
             target = (min(args.rounds, first_round + int(rng.integers(0, 2))), str(rng.choice(TARGETS)))
-        pause = f"{target[0]}:{target[1]}" if target else ""
+        pause = f"{target[0]}:{target[1]}" if target else f"{args.rounds}:{LAST_ROUND_STAGE}"
         proc = sovfl(["simulate", str(path), "--workdir", str(run), *resume], marker, stage_hook_env(hook, pause))
         progress = run / "progress.log"
         while proc.poll() is None and not (progress.exists() and "sites: " in progress.read_text()):
@@ -220,9 +242,11 @@ def main(argv: list[str] | None = None) -> int:
             if kind != "coordinator":
                 if last > args.rounds - stop:
                     continue  # too late: the site could not show it is back
+                starts, at = supernode_starts(run, site), time.time()
                 pid = kill_site(kind, site, marker)
                 if pid is None:
                     continue  # that process is being restarted right now: draw again
+                restarts.append((kind, site, starts, at))
                 counts[kind] += 1
                 stages[stage] = stages.get(stage, 0) + 1
                 site_kills.append((site, last))
@@ -245,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
             next_attempt = True
         if next_attempt:
             continue
+        if proc.poll() is None:
+            wait_back(run, marker, restarts, hook)
         out, _ = proc.communicate()
         break
     ok = proc.returncode == 0
