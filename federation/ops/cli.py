@@ -11,8 +11,8 @@ from pathlib import Path
 
 from crypto.pki import CoordinatorBundle, provision
 from federation.config.schema import ConfigError, load_config
-from federation.ops import (export_cmd, health_cmd, launcher, report_cmd, run_dir, scrub_cmd, site_supervisor,
-                            slurm)
+from federation.ops import (audit_cmd, export_cmd, health_cmd, launcher, report_cmd, run_dir, scrub_cmd,
+                            site_supervisor, slurm)
 from site_trainer.launch import (RendezvousUnreachable, check_node_rank, fresh_rdzv_id, publish_rdzv_id,
                                  read_rdzv_id, wait_for_rendezvous)
 
@@ -235,7 +235,7 @@ def _command(sub, name: str, help: str, fn, workdir_help: str) -> argparse.Argum
 
 def build_parser() -> argparse.ArgumentParser:
     """The `sovfl` argument parser (validate, simulate, provision, coordinator, site, scrub, export, report,
-    health, slurm-script)."""
+    health, slurm-script, audit)."""
     p = argparse.ArgumentParser(prog="sovfl", description="Federated learning for sovereign clouds.")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -288,6 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     report_cmd.register(sub)
     health_cmd.add_parser(sub)
     slurm.add_parser(sub)
+    audit_cmd.add_parser(sub)
     return p
 
 
