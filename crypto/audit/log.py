@@ -136,18 +136,24 @@ class AuditLog:
         """The file, opened for reading and appending, under an exclusive lock."""
         return _Locked(self.path)
 
-    def _write(self, f, prev: str, last: int, kind: str, fields: dict) -> Head:
+    def _entry(self, prev: str, last: int, kind: str, fields: dict) -> tuple[bytes, Head]:
         entry: dict[str, Any] = {"i": last + 1, "t": round(time.time(), 6), "kind": kind, "fields": fields,
                                  "prev": prev}
         entry["sig"] = base64.b64encode(self.key.sign(signed_bytes(entry))).decode()
-        f.seek(0, os.SEEK_END)
-        f.write(canonical_json(entry) + b"\n")
-        f.flush()
-        os.fsync(f.fileno())
-        return Head(entry["i"], entry_hash(entry))
+        return canonical_json(entry) + b"\n", Head(entry["i"], entry_hash(entry))
+
+    def _write(self, f, prev: str, last: int, kind: str, fields: dict) -> Head:
+        line, head = self._entry(prev, last, kind, fields)
+        self._write_lines(f, line)
+        return head
 
     def append(self, kind: str, **fields: Any) -> Head:
-        """Append one entry; the log's new head. A torn last line is cut off and recorded first."""
+        """Append one entry; the log's new head."""
+        return self.extend([(kind, fields)])
+
+    def extend(self, entries: list[tuple[str, dict]]) -> Head:
+        """Append `entries` (kind, fields) in one write; the log's new head. A torn last line is cut
+        off and recorded first."""
         with self._locked() as f:
             line, end, size = _last_line(f)
             if not line:
@@ -162,9 +168,21 @@ class AuditLog:
                 f.seek(end)
                 torn = f.read()
                 f.truncate(end)
-                head = self._write(f, head.hash, head.index, "torn_tail", {
-                    "offset": end, "bytes": len(torn), "digest": digest_of(torn)})
-            return self._write(f, head.hash, head.index, kind, fields)
+                entries = [("torn_tail", {"offset": end, "bytes": len(torn), "digest": digest_of(torn)}), *entries]
+            out = []
+            for kind, fields in entries:
+                text, head = self._entry(head.hash, head.index, kind, fields)
+                out.append(text)
+            if out:
+                self._write_lines(f, b"".join(out))
+            return head
+
+    @staticmethod
+    def _write_lines(f, data: bytes) -> None:
+        f.seek(0, os.SEEK_END)
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
     def head(self) -> Head:
         """The log's current head."""

@@ -150,7 +150,8 @@ def cmd_site(args: argparse.Namespace) -> int:
         launcher.wait_trainers({site.id: trainer}, {site.id: sock}, start_s, print)
         data = {} if args.insecure else {"data-address": args.data or data_address_of(args.superlink)}
         launcher.watch_site_node(guard, sup, site, args.superlink, sock, bundle, args.insecure,
-                                 {**launcher.site_attestation_config(cfg, site.id, workdir), **data},
+                                 {**launcher.site_attestation_config(cfg, site.id, workdir),
+                                  **launcher.site_policy_config(cfg, site.id, workdir), **data},
                                  cfg.federation.warm_clientapps)
         if cfg.federation.site_restarts.link_watch:
             guard.watch_link(f"site {site.id}: SuperNode", args.superlink)

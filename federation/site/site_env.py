@@ -31,10 +31,15 @@ from federation.protocol.pipeline import RoundContext
 from federation.protocol.round_config import RoundConfig
 from federation.site.site_store import SiteStore
 from federation.site.trainer_call import NODE_CONFIG_HINT, GlobalModel, Trainer
+from site_trainer.policy_config import SitePolicy
 
 _CURRENT: ContextVar["SiteEnv | None"] = ContextVar("sovfl_site_env", default=None)
 
 TrainerFactory = Callable[["SiteEnv"], Trainer]
+
+
+class SitePolicyError(RuntimeError):
+    """The site's policy file cannot be read; the site refuses every round until it is fixed."""
 
 
 class SiteAttestationError(RuntimeError):
@@ -62,6 +67,7 @@ class SiteEnv:
         self.update_source = None  # handoff.Reader: the trainer's update, not yet read (train -> protection or secagg)
         self.outgoing = None  # the update in a file, to upload: SealedFile (protection -> bulk) or MaskedFile
         #                       (secagg -> bulk); `record_key` names the reply record that references it
+        self.audit_events: list[tuple[str, dict]] = []  # (kind, fields) for the site's audit log (audit_mod.py)
 
     @staticmethod
     def current(context: Context) -> "SiteEnv | None":
@@ -78,6 +84,18 @@ class SiteEnv:
     def attestation(self) -> SiteAttestation | None:
         """The site's own attestation settings (node config `attestation-config`), or None."""
         return load_attestation(self.context)
+
+    @cached_property
+    def policy(self) -> SitePolicy | None:
+        """The site's own policy (node config `site-policy`, a JSON file), or None: every round taken."""
+        path = str(self.node_config.get("site-policy", "") or "")
+        if not path:
+            return None
+        try:
+            with open(path, encoding="utf-8") as f:
+                return SitePolicy.model_validate_json(f.read())
+        except (OSError, ValueError) as err:
+            raise SitePolicyError(f"site policy {path} is unusable: {err}") from None
 
     @cached_property
     def config(self) -> RoundConfig:
