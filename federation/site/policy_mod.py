@@ -82,7 +82,10 @@ def policy_mod(msg: Message, context: Context, call_next) -> Message:
     try:
         check_update(policy, metrics, usage)
     except PolicyRefused as err:
-        return _refused(msg, env, err, terms)
+        refused = _refused(msg, env, err, terms)
+        if keys.SECAGG_SETUP in reply.content.config_records:  # a coming round's setup, made once: keep it
+            refused.content[keys.SECAGG_SETUP] = reply.content.config_records[keys.SECAGG_SETUP]
+        return refused
     context.state[STATE_KEY] = ConfigRecord({"rounds": usage.rounds + 1,
                                              "bytes": usage.bytes + int(metrics.get("upload_bytes", 0))})
     return reply
