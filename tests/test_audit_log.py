@@ -147,3 +147,23 @@ def test_an_update_digest_that_differs_is_named(pki, tmp_path):
     AuditLog(site, sb.sign_key, "site-a", "site").append("update_sent", run=7, round=3, digest=digest_of("y"))
     problems = compare(verify(coord), verify(site))
     assert len(problems) == 1 and "round 3 sent as" in problems[0] and "coordinator's entry 6" in problems[0]
+
+
+def test_export_page_names_parties_rounds_refusals_and_digests(pki, tmp_path):
+    coord, site = _pair(pki, tmp_path)
+    cb = CoordinatorBundle.load(pki / "coordinator")
+    log = AuditLog(coord, cb.sign_key, cb.name, "coordinator")
+    log.append("round_started", run=7, round=1, group=["site-a", "site-b"])
+    log.append("round_closed", run=7, round=1, aggregated=["site-a"], failed={"site-b": "site_error: policy_codec: x"},
+               aggregate_digest=digest_of("mean"))
+    sb = SiteBundle.load(pki / "sites" / "site-b")
+    refused = AuditLog(tmp_path / "site-b", sb.sign_key, "site-b", "site")
+    refused.append("round_refused", run=7, round=1, code="policy_codec", why="x")
+    out = tmp_path / "audit.md"
+    assert main(["audit", "export", str(coord), str(site), str(tmp_path / "site-b"), "-o", str(out)]) == 0
+    page = out.read_text()
+    assert "## Run 7" in page and "| site-a | `sha256:" in page
+    assert f"| 1 | site-a, site-b | site-a | site-b: site_error: policy_codec: x | `{digest_of('mean')}` |" in page
+    assert "| site-b | 1 | refused: policy_codec |" in page
+    assert f"| site-a | 1 | accepted | `{digest_of('update 1')}` |" in page
+    assert "every update digest and witnessed head agrees" in page and page.count("| yes |") == 3

@@ -70,6 +70,10 @@ def test_sites_refuse_rounds_by_rule_and_the_audit_logs_verify_and_agree(tmp_pat
         assert main(["audit", "verify", str(run / "sites" / s), "--bundle", str(pki / "coordinator")]) == 0, s
     assert main(["audit", "compare", str(coord), *(str(run / "sites" / s) for s in sites)]) == 0, \
         capsys.readouterr().err
+    page = tmp_path / "audit.md"
+    assert main(["audit", "export", str(coord), *(str(run / "sites" / s) for s in sites), "-o", str(page)]) == 0
+    text = page.read_text()
+    assert "| b | 1 | refused: policy_secagg_group_too_small |" in text and "| a | 2 | accepted | `sha256:" in text
     site_a = [json.loads(x) for x in (run / "sites" / "a" / "audit.jsonl").read_text().splitlines()]
     sent = [e for e in site_a if e["kind"] == "update_sent"]
     assert [e["fields"]["round"] for e in sent] == [1, 2] and all(e["fields"]["digest"] for e in sent)

@@ -4,6 +4,8 @@
     sovfl audit compare COORDINATOR_DIR SITE_DIR [SITE_DIR ...]
                                                each site's log against the coordinator's: updates sent
                                                and received by digest, every witnessed head
+    sovfl audit export COORDINATOR_DIR [SITE_DIR ...] [-o FILE]
+                                               one Markdown page per run for a data-protection officer
 
 DIR is a party's workdir (its `audit.jsonl`) or the log file itself. Exit 0 when everything checks,
 1 with the first bad entry (verify) or every difference (compare) named otherwise.
@@ -52,6 +54,20 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """Write the Markdown page of the run(s) (stdout without -o); 1 when a log does not verify."""
+    from federation.ops.audit_export import export_markdown
+
+    coordinator, sites = verify(args.coordinator), [verify(s) for s in args.sites]
+    page = export_markdown(coordinator, sites)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(page)
+    else:
+        print(page)
+    return 0 if all(v.ok for v in (coordinator, *sites)) else 1
+
+
 def add_parser(sub) -> None:
     """The `audit` subcommand and its own subcommands."""
     a = sub.add_parser("audit", help="check the parties' signed, hash-chained audit logs")
@@ -65,3 +81,8 @@ def add_parser(sub) -> None:
     c.add_argument("coordinator", help="the coordinator's workdir (its audit.jsonl) or the log file")
     c.add_argument("sites", nargs="+", help="site workdirs (their audit.jsonl) or log files")
     c.set_defaults(fn=cmd_compare)
+    e = asub.add_parser("export", help="one Markdown page per run for a data-protection officer")
+    e.add_argument("coordinator", help="the coordinator's workdir (its audit.jsonl) or the log file")
+    e.add_argument("sites", nargs="*", help="site workdirs (their audit.jsonl) or log files")
+    e.add_argument("-o", "--output", help="the Markdown file to write (default: stdout)")
+    e.set_defaults(fn=cmd_export)

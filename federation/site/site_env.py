@@ -20,8 +20,10 @@ import time
 from collections.abc import Callable
 from contextvars import ContextVar
 from functools import cached_property
+from typing import TypeVar
 
 from flwr.app import Context, Message
+from pydantic import BaseModel
 
 from crypto.pki import SiteBundle
 from federation.config import SiteAttestation
@@ -33,6 +35,7 @@ from federation.site.site_store import SiteStore
 from federation.site.trainer_call import NODE_CONFIG_HINT, GlobalModel, Trainer
 from site_trainer.policy_config import SitePolicy
 
+M = TypeVar("M", bound=BaseModel)
 _CURRENT: ContextVar["SiteEnv | None"] = ContextVar("sovfl_site_env", default=None)
 
 TrainerFactory = Callable[["SiteEnv"], Trainer]
@@ -88,14 +91,7 @@ class SiteEnv:
     @cached_property
     def policy(self) -> SitePolicy | None:
         """The site's own policy (node config `site-policy`, a JSON file), or None: every round taken."""
-        path = str(self.node_config.get("site-policy", "") or "")
-        if not path:
-            return None
-        try:
-            with open(path, encoding="utf-8") as f:
-                return SitePolicy.model_validate_json(f.read())
-        except (OSError, ValueError) as err:
-            raise SitePolicyError(f"site policy {path} is unusable: {err}") from None
+        return node_file(self.node_config, "site-policy", SitePolicy, SitePolicyError, "site policy")
 
     @cached_property
     def config(self) -> RoundConfig:
@@ -126,14 +122,21 @@ def load_bundle(context: Context) -> SiteBundle | None:
 
 def load_attestation(context: Context) -> SiteAttestation | None:
     """The site's attestation settings from node config `attestation-config` (None without)."""
-    path = str(context.node_config.get("attestation-config", "") or "")
+    return node_file(context.node_config, "attestation-config", SiteAttestation, SiteAttestationError,
+                     "attestation settings")
+
+
+def node_file(node_config, key: str, model: type[M], error: type[Exception], what: str) -> M | None:
+    """The site's own settings `model` from the JSON file node config `key` names (None without
+    one); `error` says which file is unusable and why."""
+    path = str(node_config.get(key, "") or "")
     if not path:
         return None
     try:
         with open(path, encoding="utf-8") as f:
-            return SiteAttestation.model_validate_json(f.read())
+            return model.model_validate_json(f.read())
     except (OSError, ValueError) as err:
-        raise SiteAttestationError(f"attestation settings {path} are unusable: {err}") from None
+        raise error(f"{what} {path}: unusable, {err}") from None
 
 
 class SiteScope:
