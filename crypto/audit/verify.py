@@ -65,7 +65,8 @@ def verify(where: str | Path, expected_key: ed25519.Ed25519PublicKey | None = No
         try:
             entry = json.loads(line)
             index, prev, sig = entry["i"], entry["prev"], base64.b64decode(entry["sig"], validate=True)
-            entry["kind"], entry["fields"]  # noqa: B018 (present)
+            if not isinstance(entry["kind"], str) or not isinstance(entry["fields"], dict):
+                raise TypeError("kind must be text and fields an object")
         except (ValueError, KeyError, TypeError) as err:
             return out.fail(n, f"line {n + 1} is not an audit entry ({err})")
         if index != n:

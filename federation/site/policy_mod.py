@@ -21,19 +21,22 @@ from federation.site.attestation_mod import coordinator_trusted
 from federation.site.policy_check import Identity, PolicyRefused, Usage, check_round, check_update
 from federation.site.replies import fail, ok
 from federation.site.site_env import SiteEnv, SitePolicyError, site_env
+from site_trainer.policy_config import SitePolicy
 
 STATE_KEY = "sovfl.policy"  # this mod's record in context.state: what the site sent in this run
 SECAGG_STATE = "secagg"  # the SecAgg mod's record: `n<round>` holds the names of the round's plan
 
 
-def identity(env: SiteEnv) -> Identity:
-    """The federation as this site's bundle knows it (an empty Identity without a bundle)."""
+def identity(env: SiteEnv, policy: SitePolicy) -> Identity:
+    """The federation as this site's bundle knows it, as far as `policy` asks (an empty Identity
+    without a bundle): the CA-signed registry is read only for a peer list."""
     b = env.bundle
     if b is None:
         return Identity()
     keys_ = {name: public_key_fingerprint(rec.sign_public) for name, rec in b.trust().parties.items()
-             if rec.role == "site"}
-    return Identity(cert_fingerprint(load_cert(b.ca_cert)), public_key_fingerprint(b.coordinator_sign_public), keys_)
+             if rec.role == "site"} if policy.peers is not None else {}
+    return Identity(cert_fingerprint(load_cert(b.ca_cert)) if policy.federation_ca else None,
+                    public_key_fingerprint(b.coordinator_sign_public), keys_)
 
 
 def _usage(context: Context) -> Usage:
@@ -68,7 +71,7 @@ def policy_mod(msg: Message, context: Context, call_next) -> Message:
         terms = _group(context, terms)
     usage = _usage(context)
     try:
-        check_round(policy, env.site, env.config, terms, identity(env), coordinator_trusted(context, env), usage)
+        check_round(policy, env.site, env.config, terms, identity(env, policy), coordinator_trusted(context, env), usage)
     except PolicyRefused as err:
         return _refused(msg, env, err, terms)
     env.audit_events.append(("round_accepted", {"round": env.config.round, "group": terms.group if terms else [],
