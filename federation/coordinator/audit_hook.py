@@ -2,9 +2,10 @@
 its workdir (audit.jsonl), continued by a resumed run.
 
 It records the run's start (config digest, code version, CA and key fingerprints, each site's
-registered key), each site that enrolled, each round's group and settings, the digest of every
-update received (what the site signed: protocol/site_terms.update_digest), the sites left out and
-why (policy refusals and other rejections), and the aggregate's digest. Cross-witnessing: every
+registered key), each site that enrolled, each round's group, settings and the digest of the
+global model it starts from (the previous round's aggregate applied), the digest of every update
+received (what the site signed: protocol/site_terms.update_digest), the sites left out and
+why (policy refusals and other rejections), and the mean update's digest when it is in memory. Cross-witnessing: every
 reply carries the site's log head, recorded here (`witness`); every message of a round carries
 this log's head (AUDIT) and the round's terms (TERMS), which the sites' policies judge.
 Policy refusals are counted as `rejections.policy:<code>` and named in the line's `policy_refused`.
@@ -16,6 +17,7 @@ import hashlib
 import re
 import threading
 from collections import Counter
+from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -43,9 +45,10 @@ def code_version() -> str:
         return "unknown"
 
 
-def arrays_digest(arrays: Arrays | None) -> str | None:
-    """``sha256:<hex>`` over the arrays' names, dtypes, shapes and bytes in name order (None: none)."""
-    if arrays is None:
+def arrays_digest(arrays: Arrays | object | None) -> str | None:
+    """``sha256:<hex>`` over the arrays' names, dtypes, shapes and bytes in name order (None: no
+    arrays in memory, e.g. a mean still spilled to disk)."""
+    if not isinstance(arrays, dict):
         return None
     h = hashlib.sha256()
     for name in sorted(arrays):
@@ -58,8 +61,10 @@ def arrays_digest(arrays: Arrays | None) -> str | None:
 class AuditHook(RoundHook):
     """Writes the coordinator's log; rides the round's terms and its head on the round's messages."""
 
-    def __init__(self, log: AuditLog, cfg: ExperimentConfig, bundle: CoordinatorBundle, roster: Roster, run_id: int):
+    def __init__(self, log: AuditLog, cfg: ExperimentConfig, bundle: CoordinatorBundle, roster: Roster, run_id: int,
+                 model: Callable[[], Arrays]):
         self.log, self.cfg, self.fed, self.roster, self.run_id = log, cfg, cfg.federation, roster, run_id
+        self.model = model
         self.lock = threading.Lock()
         trust = bundle.trust()
         self.head = log.append(
@@ -95,7 +100,8 @@ class AuditHook(RoundHook):
         group = sorted(self.roster.site_name(n) for n in nodes)
         self.group[rnd] = group
         terms = RoundTerms(self.run_id, rnd, self.fed.rounds, self.fed.strategy, self.fed.secagg.enabled, group)
-        self.write([("round_started", {"run": self.run_id, "round": rnd, "group": group, "strategy": self.fed.strategy,
+        self.write([("round_started", {"run": self.run_id, "round": rnd, "group": group,
+                                       "model_digest": arrays_digest(self.model()), "strategy": self.fed.strategy,
                                        "update_kind": self.fed.update_kind, "seal": self.fed.seal,
                                        "secagg": self.fed.secagg.enabled, "codec": self.fed.codec})])
         return [_AuditRider(self, rnd, terms.to_record())]
@@ -147,8 +153,8 @@ class _AuditRider:
 
 
 def audit_hook(workdir: Path, cfg: ExperimentConfig, bundle: CoordinatorBundle, roster: Roster,
-               run_id: int) -> AuditHook:
+               run_id: int, model: Callable[[], Arrays]) -> AuditHook:
     """The hook over the coordinator's log in `workdir` (opened, or continued by a resumed run)."""
     log = AuditLog(workdir / LOG_NAME, bundle.sign_key, bundle.name, "coordinator", {
         "federation": bundle.federation_id, "ca_fingerprint": cert_fingerprint(load_cert(bundle.ca_cert))})
-    return AuditHook(log, cfg, bundle, roster, run_id)
+    return AuditHook(log, cfg, bundle, roster, run_id, model)

@@ -128,7 +128,7 @@ class Coordinator:
                                self.admission, self.secagg, self.links, self.planner, fed.evaluate)
         self.workdir.mkdir(parents=True, exist_ok=True)
         if fed.audit and bundle is not None:  # the signed audit log and the round terms (audit_hook.py)
-            self.hooks.append(audit_hook(self.workdir, cfg, bundle, self.roster, run_id))
+            self.hooks.append(audit_hook(self.workdir, cfg, bundle, self.roster, run_id, lambda: self.state.model))
         self.log = RunLog(self.workdir, cfg, run_id, lambda: self.state, self.progress)  # checkpoints, metrics.jsonl
         self.metrics_path, self.checkpoints, self.checkpoint_writer = (self.log.metrics_path, self.log.checkpoints,
                                                                        self.log.writer)
