@@ -21,7 +21,7 @@ import json
 
 import pytest
 
-from conftest import write_config
+from conftest import simulate_ok
 from federation.ops import launcher
 from federation.ops.cli import main
 
@@ -46,13 +46,8 @@ def test_sites_refuse_rounds_by_rule_and_the_audit_logs_verify_and_agree(tmp_pat
                    **({"privacy": {"enabled": True, "epsilon": 8.0}} if s == "e" else {})}
                   for i, s in enumerate(sites)],
     }
-    path = write_config(tmp_path / "policy.yaml", cfg)
     run = tmp_path / "run"
-    out: list[str] = []
-    result = launcher.simulate(path, run, out.append, insecure=True)
-    log = "\n".join(out)
-    assert result["status"] == "ok", log
-    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    log, lines = simulate_ok(cfg, run, insecure=True)
     assert [x["status"] for x in lines] == ["aggregated"] * 2, log
     for line in lines:
         assert sorted(line["sites"]) == ["a", "m"], log
