@@ -193,6 +193,8 @@ class AuditLog:
 
 
 class _Locked:
+    """The log file opened read-write under an exclusive `flock`, released on exit."""
+
     def __init__(self, path: Path):
         self.path = path
 

@@ -14,6 +14,7 @@ Policy refusals are counted as `rejections.policy:<code>` and named in the line'
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 import threading
 from collections import Counter
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from flwr.app import ConfigRecord, Message, MessageType
 
-from crypto.audit import LOG_NAME, AuditLog, Head, digest_of
+from crypto.audit import LOG_NAME, AuditLog, AuditLogError, Head, digest_of
 from crypto.pki import CoordinatorBundle
 from crypto.pki.keys import cert_fingerprint, load_cert, public_key_fingerprint
 from federation.config.schema import ExperimentConfig
@@ -34,6 +35,7 @@ from federation.protocol import message_keys as keys
 from federation.protocol.codecs import Arrays
 from federation.protocol.site_terms import RoundTerms, head_of, update_digest
 
+log = logging.getLogger("sovfl.coordinator")
 POLICY_CODE = re.compile(r"\b(policy_[a-z_]+):")
 
 
@@ -75,13 +77,18 @@ class AuditHook(RoundHook):
             rounds=self.fed.rounds, strategy=self.fed.strategy, update_kind=self.fed.update_kind,
             codec=self.fed.codec, seal=self.fed.seal, secagg=self.fed.secagg.enabled,
             attestation=self.fed.attestation.enabled)
-        self.group: dict[int, list[str]] = {}
+        self.error = ""
 
     def write(self, entries: list[tuple[str, dict]]) -> Head:
-        """Append `entries`; the new head."""
+        """Append `entries`; the new head. A write that fails (a full disk) never fails the round:
+        the error is logged and named in the next metrics line (`audit_error`)."""
         with self.lock:
             if entries:
-                self.head = self.log.extend(entries)
+                try:
+                    self.head = self.log.extend(entries)
+                except (AuditLogError, OSError, TypeError, ValueError) as err:
+                    self.error = f"audit log {self.log.path}: {err}"
+                    log.warning("%s", self.error)
             return self.head
 
     def witness(self, site: str, status) -> list[tuple[str, dict]]:
@@ -98,7 +105,6 @@ class AuditHook(RoundHook):
     def riders(self, rnd: int, nodes: list[int], upcoming: set[str], t0: float) -> list[Rider]:
         """The round's terms and this log's head, on every message of the round."""
         group = sorted(self.roster.site_name(n) for n in nodes)
-        self.group[rnd] = group
         terms = RoundTerms(self.run_id, rnd, self.fed.rounds, self.fed.strategy, self.fed.secagg.enabled, group)
         self.write([("round_started", {"run": self.run_id, "round": rnd, "group": group,
                                        "model_digest": arrays_digest(self.model()), "strategy": self.fed.strategy,
@@ -121,8 +127,10 @@ class AuditHook(RoundHook):
                                       "aggregate_digest": arrays_digest(out.mean)})])
 
     def metrics(self, rnd: int, line: dict) -> None:
-        """This log's head after the round."""
+        """This log's head after the round, and the last write that failed, if any."""
         line["audit_head"] = self.head.as_dict()
+        if self.error:
+            line["audit_error"], self.error = self.error, ""
 
 
 class _AuditRider:

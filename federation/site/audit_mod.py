@@ -84,7 +84,7 @@ def audit_mod(msg: Message, context: Context, call_next) -> Message:
         if msg.metadata.message_type == MessageType.TRAIN:
             events += _sent(msg, env, reply)
         head = log.extend(events) if events else log.head()
-    except (AuditLogError, OSError, ValueError) as err:
+    except (AuditLogError, OSError, TypeError, ValueError) as err:
         if reply.has_content() and keys.STATUS in reply.content.config_records:
             reply.content.config_records[keys.STATUS]["audit_error"] = f"audit log: {err}"
         return reply
