@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from site_trainer.pii.config import PiiConfig
+from site_trainer.policy_config import SitePolicy
 from site_trainer.privacy.config import PrivacyConfig
 from site_trainer.workload_loader import check_site, check_workload, merge_options
 
@@ -143,6 +144,9 @@ class SiteConfig(StrictModel):
         default_factory=PrivacyConfig,
         description="record-level DP-SGD on this site (off by default): the site's own budget, never the "
                     "coordinator's (site_trainer/privacy)")
+    policy: SitePolicy | None = Field(
+        None, description="what this site takes part in, checked by the site on every message before any "
+                          "training (site_trainer/policy_config.py); None: every round the coordinator asks")
     # Multi-node sites: one torchrun per node, joined by torchrun's c10d rendezvous.
     nnodes: int = Field(1, ge=1, le=64, description="nodes of this site; each runs `ranks` processes")
     rdzv_endpoint: str | None = Field(

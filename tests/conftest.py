@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -18,6 +19,18 @@ ROOT = Path(__file__).resolve().parents[1]
 def write_config(path: Path, data: dict) -> Path:
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
+
+
+def simulate_ok(cfg: dict, run: Path, **kw) -> tuple[str, list[dict]]:
+    """A federation of config `cfg` simulated in `run` (launcher.simulate), asserted ok: its progress
+    log and metrics lines."""
+    from federation.ops import launcher
+
+    out: list[str] = []
+    result = launcher.simulate(write_config(run.with_suffix(".yaml"), cfg), run, out.append, **kw)
+    log = "\n".join(out)
+    assert result["status"] == "ok", log
+    return log, [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 def digits_site(i: int, name: str, ranks: int, **kw) -> dict:

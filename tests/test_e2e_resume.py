@@ -133,6 +133,7 @@ def test_simulate_coordinator_killed_in_a_secagg_stage_of_round_2_resumes_bit_id
     _assert_same_run(ref, run)
     _assert_fresh_keys(dead, hooks[1])
     assert live_marked(marker) == []
+    _assert_audit_chains(run)
     # a resume under another configuration is refused before anything starts, naming the field
     changed = yaml.safe_load(path.read_text())
     changed["workload"]["options"]["hidden"] = 24
@@ -140,6 +141,18 @@ def test_simulate_coordinator_killed_in_a_secagg_stage_of_round_2_resumes_bit_id
                     timeout=120)
     assert refused.returncode == 2 and "workload.options.hidden: 16 -> 24" in refused.stderr, refused.stderr
     assert _rounds(run) == [1, 2, 3, 4] and live_marked(marker) == []
+
+
+def _assert_audit_chains(run: Path) -> None:
+    """The coordinator's audit log goes on across the kill and the resume (one chain, two run starts,
+    a torn last line recorded if the kill left one), and every site's log verifies."""
+    from crypto.audit import verify
+
+    coord = verify(run)
+    assert coord.ok, coord.problem
+    assert [e["kind"] for e in coord.entries].count("run_started") == 2
+    for site in sorted((run / "sites").iterdir()):
+        assert verify(site).ok, (site, verify(site).problem)
 
 
 def _cli(*args: str, env: dict) -> subprocess.Popen:

@@ -118,6 +118,8 @@ class FederationConfig(StrictModel):
                                  "coordinator learns only the weighted sum of the sites' updates "
                                  "(crypto/secagg/README.md)")
     seal: bool = Field(False, description="seal every update to the coordinator's (attested) key")
+    audit: bool = Field(True, description="keep the coordinator's signed audit log (audit.jsonl in its workdir, "
+                        "with a bundle) and send each round's terms, which sites with a policy judge")
     attestation: AttestationConfig = Field(AttestationConfig(), description="attested admission of sites before "
                                            "each round and appraisal of the coordinator by the sites")
     downlink_codec: str = Field("identity", description="codec of the global model sent to sites, e.g. 'int8' "

@@ -30,6 +30,7 @@ from crypto.envelope import ReplayGuard
 from crypto.pki import CoordinatorBundle
 from federation.config.schema import ExperimentConfig
 from federation.coordinator.admission import Admission, AdmissionOutcome
+from federation.coordinator.audit_hook import audit_hook
 from federation.coordinator.aggregate import ServerOptimizer
 from federation.coordinator.bulk_path import BulkPath
 from federation.coordinator.bulk_server import BulkServer
@@ -126,6 +127,8 @@ class Coordinator:
                                    self.protocol, "messages", 1) * self.message_overhead_s, self.bulk,
                                self.admission, self.secagg, self.links, self.planner, fed.evaluate)
         self.workdir.mkdir(parents=True, exist_ok=True)
+        if fed.audit and bundle is not None:  # the signed audit log and the round terms (audit_hook.py)
+            self.hooks.append(audit_hook(self.workdir, cfg, bundle, self.roster, run_id, lambda: self.state.model))
         self.log = RunLog(self.workdir, cfg, run_id, lambda: self.state, self.progress)  # checkpoints, metrics.jsonl
         self.metrics_path, self.checkpoints, self.checkpoint_writer = (self.log.metrics_path, self.log.checkpoints,
                                                                        self.log.writer)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from crypto.pki import CoordinatorBundle, provision
 from federation.config.schema import ConfigError, load_config
-from federation.ops import (export_cmd, health_cmd, launcher, report_cmd, run_dir, scrub_cmd, site_supervisor,
-                            slurm)
+from federation.ops import (audit_cmd, export_cmd, health_cmd, launcher, report_cmd, run_dir, scrub_cmd,
+                            site_supervisor, slurm)
 from site_trainer.launch import (RendezvousUnreachable, check_node_rank, fresh_rdzv_id, publish_rdzv_id,
                                  read_rdzv_id, wait_for_rendezvous)
 
@@ -150,7 +150,8 @@ def cmd_site(args: argparse.Namespace) -> int:
         launcher.wait_trainers({site.id: trainer}, {site.id: sock}, start_s, print)
         data = {} if args.insecure else {"data-address": args.data or data_address_of(args.superlink)}
         launcher.watch_site_node(guard, sup, site, args.superlink, sock, bundle, args.insecure,
-                                 {**launcher.site_attestation_config(cfg, site.id, workdir), **data},
+                                 {**launcher.site_attestation_config(cfg, site.id, workdir),
+                                  **launcher.site_policy_config(cfg, site.id, workdir), **data},
                                  cfg.federation.warm_clientapps)
         if cfg.federation.site_restarts.link_watch:
             guard.watch_link(f"site {site.id}: SuperNode", args.superlink)
@@ -235,7 +236,7 @@ def _command(sub, name: str, help: str, fn, workdir_help: str) -> argparse.Argum
 
 def build_parser() -> argparse.ArgumentParser:
     """The `sovfl` argument parser (validate, simulate, provision, coordinator, site, scrub, export, report,
-    health, slurm-script)."""
+    health, slurm-script, audit)."""
     p = argparse.ArgumentParser(prog="sovfl", description="Federated learning for sovereign clouds.")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -288,6 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     report_cmd.register(sub)
     health_cmd.add_parser(sub)
     slurm.add_parser(sub)
+    audit_cmd.add_parser(sub)
     return p
 
 

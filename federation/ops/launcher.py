@@ -22,6 +22,7 @@ from functools import partial
 from pathlib import Path
 from typing import Callable
 
+from crypto.audit import LOG_NAME
 from crypto.pki import provision
 from federation.config import resolve
 from federation.config.schema import ExperimentConfig, load_config
@@ -178,6 +179,19 @@ def site_attestation_config(cfg: ExperimentConfig, site: str, workdir: Path,
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(att.for_site(site).model_dump_json(indent=2))
     return {"attestation-config": str(path)}
+
+
+def site_policy_config(cfg: ExperimentConfig, site: str, workdir: Path) -> dict[str, str]:
+    """The node config of a site's own policy (written to `workdir`, when it has one) and its audit
+    log (`workdir`/audit.jsonl, kept when it has a bundle and `federation.audit` is on)."""
+    spec = next(s for s in cfg.sites if s.id == site)
+    out = {"audit-log": str(Path(workdir) / LOG_NAME)} if cfg.federation.audit else {}
+    if spec.policy is not None:
+        path = Path(workdir) / "site_policy.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(spec.policy.model_dump_json(indent=2))
+        out["site-policy"] = str(path)
+    return out
 
 
 def wait_trainers(procs: dict[str, Proc], sockets: dict[str, str], deadline_s: float,
@@ -364,7 +378,8 @@ def simulate(config_path: str | Path, workdir: str | Path | None = None,
         if not insecure:
             register_supernodes(sup, {s.id: pki / "sites" / s.id / "supernode_auth.pub" for s in cfg.sites})
         issuer = pki / "dev-attestation-issuer" if cfg.federation.attestation.dev_issuer else None
-        site_att = {s.id: site_attestation_config(cfg, s.id, workdir / "sites" / s.id, issuer) for s in cfg.sites}
+        site_att = {s.id: {**site_attestation_config(cfg, s.id, workdir / "sites" / s.id, issuer),
+                           **site_policy_config(cfg, s.id, workdir / "sites" / s.id)} for s in cfg.sites}
         run = submit_run(sup, config_path, f"127.0.0.1:{port}", coord, issuer, resume=resume,
                          sites_starting_s=cfg.federation.deadlines.trainer_start_s, data_address=data)
         wait_trainers(trainers, sockets, cfg.federation.deadlines.trainer_start_s, progress)

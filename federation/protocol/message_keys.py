@@ -24,6 +24,8 @@ DISCOVER = "discover"  # ConfigRecord: site discovery (who are you, how much dat
 BULK = "bulk"  # ConfigRecord: to a site on the data path: which Arrays leave the reply, on how many streams
 PROBE = "probe"  # ConfigRecord: measure the link and report it in STATUS (protocol/link_probe.py)
 PROBE_PAYLOAD = "probe_payload"  # ArrayRecord: bytes a Flower-path probe carries, either way
+TERMS = "terms"  # ConfigRecord: to a train message, the round's terms a site's policy judges (site_terms.py)
+AUDIT = "audit"  # ConfigRecord: the coordinator's audit-log head (index, hash), witnessed by the site
 
 # site -> coordinator
 STATUS = "status"  # ConfigRecord: site, ok, error, and what the message type adds (num_examples, ...)
@@ -39,6 +41,7 @@ DOWNLINK_TARGET = "downlink_target"  # the digest of the coordinator's downlink 
 # fields of STATUS
 MODEL_DIGEST = "model_digest"  # the model a site holds after a downlink message (discovery: if it is DOWNLINK_TARGET)
 STEP_S_ESTIMATE = "step_s_estimate"  # discovery reply: the trainer's seconds per local step, timed at its start
+AUDIT_INDEX, AUDIT_HASH = "audit_index", "audit_hash"  # any reply: the site's audit-log head, witnessed
 MANIFEST = "manifest"  # discovery reply: the site's base-model manifest, JSON (coordinator/manifest_check.py)
 
 # SecAgg+ steps (crypto/secagg): the setup of round r rides on a message of round r - 1 (or on

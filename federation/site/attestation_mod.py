@@ -172,3 +172,12 @@ def refusal(context: Context, env: SiteEnv) -> str | None:
             raw_public(bundle.coordinator_seal_public)).decode():
         return "coordinator_not_attested: the attested key is not the coordinator's sealing key in our bundle"
     return None
+
+
+def coordinator_trusted(context: Context, env: SiteEnv) -> bool:
+    """Whether this site holds a current appraisal of the coordinator, bound to the sealing key of
+    its bundle (what a policy's `require_attestation` asks)."""
+    state = _state(context)
+    if float(state.get("trusted_until", 0.0)) <= time.time() or env.bundle is None:
+        return False
+    return state.get("trusted_key") == base64.b64encode(raw_public(env.bundle.coordinator_seal_public)).decode()

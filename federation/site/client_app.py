@@ -6,10 +6,14 @@ so nothing here is long-lived and torch is never imported: the trainer is the si
 shared memory (trainer_call.py). Each concern of the site is one mod, outermost first:
 
   SiteScope         one SiteEnv per message (keys, settings, round config, trainer, store), relay_s
+  audit_mod         the site's signed audit log: what it agreed to or refused, the digests of what it
+                    sent and received, the coordinator's heads it witnessed; its own head on every reply
   bulk_mod          large Arrays beside Flower: the model fetched from, the update uploaded to the
                     coordinator's data path (bulk_mod.py); discovery replies say which path works
   attestation_mod   answers the attestation record of any message; refuses train messages until the
                     coordinator is trusted
+  policy_mod        the site's own policy: a train message outside it is refused by its rule's reason
+                    code before any training, an update that breaks it never leaves
   secagg_mod        sets up coming SecAgg rounds, masks the update of a train message (stage 3),
                     answers unmask queries (stage 4)
   protection_mod    signs (and seals) the update of a plain train message
@@ -41,10 +45,12 @@ from federation.protocol.message_cost import TTL_MARGIN_S
 from federation.protocol.payload_records import to_records
 from federation.protocol.pipeline import Payload
 from federation.site.attestation_mod import attestation_mod
+from federation.site.audit_mod import audit_mod
 from federation.site.bulk_mod import bulk_mod
 from federation.site.codec_mod import codec_mod
 from federation.site.downlink_mod import dense_global, downlink_mod, offer_held
 from federation.protocol.testing_hooks import absent
+from federation.site.policy_mod import policy_mod
 from federation.site.protection_mod import protection_mod
 from federation.site.replies import fail, status
 from federation.site.secagg_mod import secagg_mod
@@ -179,9 +185,9 @@ def evaluate(msg: Message, context: Context) -> Message:
 def build_client_app(trainer_for: TrainerFactory = service_trainer) -> ClientApp:
     """The ClientApp with its mods, over the trainer `trainer_for` returns for a message's SiteEnv
     (the deployment's: the trainer service; simulations plug in their own)."""
-    app = ClientApp(mods=[SiteScope(trainer_for, APP_IMPORT_S), bulk_mod])
+    app = ClientApp(mods=[SiteScope(trainer_for, APP_IMPORT_S), audit_mod, bulk_mod])
     app.query(mods=[attestation_mod, secagg_mod])(query)
-    app.train(mods=[attestation_mod, secagg_mod, protection_mod, downlink_mod, codec_mod])(train)
+    app.train(mods=[attestation_mod, policy_mod, secagg_mod, protection_mod, downlink_mod, codec_mod])(train)
     app.evaluate(mods=[downlink_mod])(evaluate)
     return app
 

@@ -20,8 +20,10 @@ import time
 from collections.abc import Callable
 from contextvars import ContextVar
 from functools import cached_property
+from typing import TypeVar
 
 from flwr.app import Context, Message
+from pydantic import BaseModel
 
 from crypto.pki import SiteBundle
 from federation.config import SiteAttestation
@@ -31,10 +33,16 @@ from federation.protocol.pipeline import RoundContext
 from federation.protocol.round_config import RoundConfig
 from federation.site.site_store import SiteStore
 from federation.site.trainer_call import NODE_CONFIG_HINT, GlobalModel, Trainer
+from site_trainer.policy_config import SitePolicy
 
+M = TypeVar("M", bound=BaseModel)
 _CURRENT: ContextVar["SiteEnv | None"] = ContextVar("sovfl_site_env", default=None)
 
 TrainerFactory = Callable[["SiteEnv"], Trainer]
+
+
+class SitePolicyError(RuntimeError):
+    """The site's policy file cannot be read; the site refuses every round until it is fixed."""
 
 
 class SiteAttestationError(RuntimeError):
@@ -62,6 +70,7 @@ class SiteEnv:
         self.update_source = None  # handoff.Reader: the trainer's update, not yet read (train -> protection or secagg)
         self.outgoing = None  # the update in a file, to upload: SealedFile (protection -> bulk) or MaskedFile
         #                       (secagg -> bulk); `record_key` names the reply record that references it
+        self.audit_events: list[tuple[str, dict]] = []  # (kind, fields) for the site's audit log (audit_mod.py)
 
     @staticmethod
     def current(context: Context) -> "SiteEnv | None":
@@ -78,6 +87,11 @@ class SiteEnv:
     def attestation(self) -> SiteAttestation | None:
         """The site's own attestation settings (node config `attestation-config`), or None."""
         return load_attestation(self.context)
+
+    @cached_property
+    def policy(self) -> SitePolicy | None:
+        """The site's own policy (node config `site-policy`, a JSON file), or None: every round taken."""
+        return node_file(self.node_config, "site-policy", SitePolicy, SitePolicyError, "site policy")
 
     @cached_property
     def config(self) -> RoundConfig:
@@ -108,14 +122,21 @@ def load_bundle(context: Context) -> SiteBundle | None:
 
 def load_attestation(context: Context) -> SiteAttestation | None:
     """The site's attestation settings from node config `attestation-config` (None without)."""
-    path = str(context.node_config.get("attestation-config", "") or "")
+    return node_file(context.node_config, "attestation-config", SiteAttestation, SiteAttestationError,
+                     "attestation settings")
+
+
+def node_file(node_config, key: str, model: type[M], error: type[Exception], what: str) -> M | None:
+    """The site's own settings `model` from the JSON file node config `key` names (None without
+    one); `error` says which file is unusable and why."""
+    path = str(node_config.get(key, "") or "")
     if not path:
         return None
     try:
         with open(path, encoding="utf-8") as f:
-            return SiteAttestation.model_validate_json(f.read())
+            return model.model_validate_json(f.read())
     except (OSError, ValueError) as err:
-        raise SiteAttestationError(f"attestation settings {path} are unusable: {err}") from None
+        raise error(f"{what} {path}: unusable, {err}") from None
 
 
 class SiteScope:
