@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from site_trainer.pii.config import PiiConfig
 from site_trainer.privacy.config import PrivacyConfig
+from tracking.config import TrackingConfig
 from site_trainer.workload_loader import check_site, check_workload, merge_options
 
 
@@ -143,6 +144,10 @@ class SiteConfig(StrictModel):
         default_factory=PrivacyConfig,
         description="record-level DP-SGD on this site (off by default): the site's own budget, never the "
                     "coordinator's (site_trainer/privacy)")
+    tracking: TrackingConfig = Field(
+        default_factory=TrackingConfig,
+        description="this site's own experiment trackers: its loss per step, learning rate, samples/s, memory and "
+                    "each round's reply figures (PII counts, epsilon), written by rank 0 and never sent anywhere")
     # Multi-node sites: one torchrun per node, joined by torchrun's c10d rendezvous.
     nnodes: int = Field(1, ge=1, le=64, description="nodes of this site; each runs `ranks` processes")
     rdzv_endpoint: str | None = Field(

@@ -30,6 +30,7 @@ from site_trainer.config import TrainerConfig
 from site_trainer.pii import transform as pii_transform
 from site_trainer.rank0_build import stream_rank0_build
 from site_trainer.session import RequestRejected, Session
+from site_trainer.step_tracking import step_tracking
 from site_trainer.workload import Batch, TaskContext
 
 log = logging.getLogger("sovfl.trainer")
@@ -121,6 +122,9 @@ class LocalTrainer:
         self._background_total: torch.Tensor | None = None  # [loss x samples, samples] of background steps
         self._background_last = 0  # the schedule position background steps stop advancing at
         self._answered_steps = self.cfg.site.local_steps  # local_steps of the last train round answered
+        self.tracking = step_tracking(cfg, self.rank, self.device)  # sites[].tracking, rank 0 only
+        if self.tracking is not None:
+            self.session.reply_listeners.append(self.tracking.reply)
         if self.dp is None:  # DP-SGD spends budget per round before its steps: no steps ahead of a request
             self.session.keep_training(self.background_step)
         if self.rank == 0:
@@ -240,8 +244,15 @@ class LocalTrainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.sched_step += 1
-        return torch.stack([loss_sum.to(self.device, torch.float64),
-                            torch.tensor(float(n), dtype=torch.float64, device=self.device)])
+        total = torch.stack([loss_sum.to(self.device, torch.float64),
+                             torch.tensor(float(n), dtype=torch.float64, device=self.device)])
+        self._track(total)
+        return total
+
+    def _track(self, total: torch.Tensor) -> None:
+        """The step just taken, to the site's own trackers (rank 0, when sites[].tracking names any)."""
+        if self.tracking is not None:
+            self.tracking.step(self.sched_step, total, self.optimizer.param_groups[0]["lr"])
 
     def dp_sample(self) -> list[Batch]:
         """This rank's micro-batches of one Poisson-sampled logical batch."""
@@ -275,6 +286,7 @@ class LocalTrainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.sched_step += 1
+        self._track(total)
         return total
 
     def background_step(self, round_no: int, first: bool) -> None:
@@ -391,9 +403,14 @@ class LocalTrainer:
         return report
 
     def serve(self) -> None:
-        """Collective: answer the coordinator's rounds until the trainer is stopped."""
-        for rnd in self.session.rounds():
-            self.run_round(rnd)
+        """Collective: answer the coordinator's rounds until the trainer is stopped (then the site's
+        trackers write what they hold)."""
+        try:
+            for rnd in self.session.rounds():
+                self.run_round(rnd)
+        finally:
+            if self.tracking is not None:
+                self.tracking.close()
 
     def run_round(self, rnd) -> None:
         """Collective: the built-in loop's part of one round (the global model is already loaded)."""
