@@ -238,6 +238,7 @@ class LocalTrainer:
         """Collective: one DP-SGD step over this rank's part of a Poisson-sampled logical batch
         (site_trainer/privacy/dp_sgd.py): per-record clipping, one noise draw for the whole batch."""
         assert self.dp is not None
+        t0 = time.perf_counter()
         batches = [to_device(b, self.device) for b in micro_batches]
         loss_sum, n = self.dp.gradients(batches, lambda: strategies.autocast(self.parallelism, self.device, self.dtype))
         self._set_lr()
@@ -246,13 +247,14 @@ class LocalTrainer:
         self.sched_step += 1
         total = torch.stack([loss_sum.to(self.device, torch.float64),
                              torch.tensor(float(n), dtype=torch.float64, device=self.device)])
-        self._track(total)
+        self._track(total, t0)
         return total
 
-    def _track(self, total: torch.Tensor) -> None:
-        """The step just taken, to the site's own trackers (rank 0, when sites[].tracking names any)."""
+    def _track(self, total: torch.Tensor, t0: float) -> None:
+        """The step just taken (begun at `t0`), to the site's own trackers (rank 0, when sites[].tracking
+        names any)."""
         if self.tracking is not None:
-            self.tracking.step(self.sched_step, total, self.optimizer.param_groups[0]["lr"])
+            self.tracking.step(self.sched_step, total, self.optimizer.param_groups[0]["lr"], time.perf_counter() - t0)
 
     def dp_sample(self) -> list[Batch]:
         """This rank's micro-batches of one Poisson-sampled logical batch."""
@@ -269,7 +271,7 @@ class LocalTrainer:
         the training device: reading it back is left to the caller, once per round, so that a GPU
         never waits for the host between steps.
         """
-        k = len(micro_batches)
+        t0, k = time.perf_counter(), len(micro_batches)
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
         for i, batch in enumerate(micro_batches):
             n = self.task.batch_size(batch)
@@ -286,7 +288,7 @@ class LocalTrainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.sched_step += 1
-        self._track(total)
+        self._track(total, t0)
         return total
 
     def background_step(self, round_no: int, first: bool) -> None:

@@ -1,7 +1,7 @@
 """A site's own experiment trackers (sites[].tracking), fed on rank 0: what stays on the site.
 
-Per optimizer step: rank 0's training loss, the learning rate, samples per second over the flush
-window, peak host memory and (on a GPU) allocated device memory. Per round: every figure of the
+Per optimizer step: rank 0's training loss, the learning rate; per flush: rank 0's samples per
+second over the steps flushed (their own seconds and the flush's wait for the device), peak host memory and (on a GPU) allocated device memory. Per round: every figure of the
 train reply the site just sent (its loss, PII counts, epsilon where DP is on, idle fraction under
 overlap). Step losses stay on the device until a flush (every `flush_every_steps` steps or
 `flush_every_s` seconds), so a GPU waits for the host no more often than that; the trackers write
@@ -32,14 +32,16 @@ class StepTracking:
         self.session, self.device = session, device
         self.every_steps, self.every_s = cfg.site.tracking.flush_every_steps, cfg.site.tracking.flush_every_s
         self.pending: list[tuple[int, torch.Tensor, float]] = []  # (step, [loss x samples, samples], lr)
-        self.window_start = time.perf_counter()
+        self.pending_s = 0.0  # the pending steps' own seconds
+        self.last_flush = time.perf_counter()
         session.params(flat_params(cfg.site.model_dump(mode="json", exclude={"tracking"}), "site.")
                        | {"workload": cfg.workload.name, "rounds": str(cfg.rounds), "seed": str(cfg.seed)})
 
-    def step(self, step: int, total: torch.Tensor, lr: float) -> None:
-        """Optimizer step `step` took: `total` is its [loss x samples, samples] (left on the device)."""
+    def step(self, step: int, total: torch.Tensor, lr: float, seconds: float) -> None:
+        """Optimizer step `step` took `seconds`: `total` is its [loss x samples, samples] (left on the device)."""
         self.pending.append((step, total.detach().clone(), lr))
-        if len(self.pending) >= self.every_steps or time.perf_counter() - self.window_start >= self.every_s:
+        self.pending_s += seconds
+        if len(self.pending) >= self.every_steps or time.perf_counter() - self.last_flush >= self.every_s:
             self.flush()
 
     def flush(self) -> None:
@@ -47,11 +49,11 @@ class StepTracking:
         if not self.pending:
             return
         pending, self.pending = self.pending, []
+        t0 = time.perf_counter()
         values = torch.stack([t for _, t, _ in pending]).cpu().tolist()
-        now = time.perf_counter()
-        samples = sum(n for _, n in values)
-        rate = samples / max(now - self.window_start, 1e-9)
-        self.window_start = now
+        self.last_flush = time.perf_counter()
+        seconds, self.pending_s = self.pending_s + self.last_flush - t0, 0.0
+        rate = sum(n for _, n in values) / max(seconds, 1e-9)
         memory = {"memory/host_peak_bytes": float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)}
         if self.device.type == "cuda":
             memory["memory/cuda_allocated_bytes"] = float(torch.cuda.memory_allocated(self.device))

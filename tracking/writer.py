@@ -49,24 +49,24 @@ class BoundedWriter:
         except queue.Full:
             self._drop(None)
 
-    def _drop(self, err: BaseException | None) -> None:
+    def _drop(self, err: BaseException | None, records: int = 1) -> None:
         with self._lock:
-            self.dropped += 1
+            self.dropped += records
             if err is not None and self.error is None:
                 self.error = f"{type(err).__name__}: {err}"
                 first = True
             else:
                 first = False
         if first:
-            self.warn(f"tracking: tracker {self.name} failed ({self.error}); its records are dropped and counted "
-                      "(the count is logged at the end of the run)")
+            self.warn(f"tracking: tracker {self.name} failed ({self.error}); the records it cannot take are "
+                      "counted, and the count is logged when the run ends")
 
     def _run(self) -> None:
         try:
             self.tracker.open()
         except Exception as err:  # noqa: BLE001 - any backend failure: the run goes on without it
             self.broken = True
-            self._drop(err)
+            self._drop(err, records=0)
         while True:
             item = self.queue.get()
             if item is _STOP:
@@ -97,12 +97,13 @@ class BoundedWriter:
         deadline = time.monotonic() + timeout_s
         try:
             self.queue.put(_STOP, timeout=max(0.0, deadline - time.monotonic()))
+            marker = 1
         except queue.Full:
-            pass
+            marker = 0
         self.thread.join(max(0.0, deadline - time.monotonic()))
-        if self.thread.is_alive():  # left behind: what it still holds is lost
+        if self.thread.is_alive():  # left behind: the records it still holds are lost
             with self._lock:
-                self.dropped += self.queue.qsize()
+                self.dropped += max(0, self.queue.qsize() - marker)
         return self.dropped
 
 

@@ -39,7 +39,7 @@ class RunTracking:
         `close_timeout_s`)."""
         rounds = checkpoints.rounds()
         tags = {"status": history[-1]["status"] if history else "no round",
-                "checkpoint": str(checkpoints.path(rounds[-1])) if rounds else ""}
+                "checkpoint": str(checkpoints.path(rounds[0])) if rounds else ""}  # newest first
         try:
             tags["model_digest"] = model_digest(model)
         except Exception as err:  # noqa: BLE001 - a run that failed mid-round may hold no whole model
