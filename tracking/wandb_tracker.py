@@ -43,7 +43,7 @@ class WandbTracker(Tracker):
 
     def log_metrics(self, metrics: dict[str, float], step: int, axis: str) -> None:
         for k in metrics:
-            if k not in self.axes:
+            if k not in self.axes and k != axis:
                 if axis not in self.axes.values():
                     self.wb.define_metric(axis, hidden=True)
                 self.wb.define_metric(k, step_metric=axis)
