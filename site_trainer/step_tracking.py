@@ -57,10 +57,10 @@ class StepTracking:
         memory = {"memory/host_peak_bytes": float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)}
         if self.device.type == "cuda":
             memory["memory/cuda_allocated_bytes"] = float(torch.cuda.memory_allocated(self.device))
-        for (step, _, lr), (loss_sum, n) in zip(pending, values):
-            self.session.metrics({"step/loss": loss_sum / max(n, 1), "step/lr": lr, "step/samples": n}, step, "step")
-        last = pending[-1][0]
-        self.session.metrics({"step/samples_per_s": rate, **memory}, last, "step")
+        rows = [(step, {"step/loss": loss_sum / max(n, 1), "step/lr": lr, "step/samples": n})
+                for (step, _, lr), (loss_sum, n) in zip(pending, values)]
+        rows.append((pending[-1][0], {"step/samples_per_s": rate, **memory}))
+        self.session.rows(rows, "step")
 
     def reply(self, rnd: int, metrics: dict) -> None:
         """A train reply of round `rnd` was sent: its figures, as sent, at step = the round."""

@@ -155,3 +155,12 @@ def test_a_tracker_that_is_down_changes_nothing_and_its_loss_is_said_once(runs):
         assert index["mlflow[3]"]["written"] == 0 and index["mlflow[3]"]["dropped"] > 0
         assert all(index[k]["dropped"] == 0 and index[k]["written"] > 0 for k in ("tensorboard", "mlflow[1]", "wandb"))
     assert not (runs["off"] / "tracking.json").exists() and not (runs["off"] / "mlflow.db").exists()
+
+
+def test_the_report_names_the_tracking_runs(runs):
+    page = (runs["on"] / "report.html").read_text()
+    assert "Experiment tracking runs" in page
+    for where in (runs["on"] / "mlflow.db", runs["on"] / "tensorboard" / "coordinator",
+                  runs["on"] / "sites" / "paris" / "mlflow.db"):
+        assert str(where) in page, where
+    assert "Experiment tracking runs" not in (runs["off"] / "report.html").read_text()

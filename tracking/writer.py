@@ -76,7 +76,12 @@ class BoundedWriter:
                 continue
             method, args = item
             try:
-                getattr(self.tracker, method)(*args)
+                if method == "log_rows":  # several steps queued as one record
+                    rows, axis = args
+                    for step, metrics in rows:
+                        self.tracker.log_metrics(metrics, step, axis)
+                else:
+                    getattr(self.tracker, method)(*args)
                 self.written += 1
             except Exception as err:  # noqa: BLE001
                 self._drop(err)
@@ -134,6 +139,11 @@ class TrackingSession:
     def metrics(self, metrics: dict[str, float], step: int, axis: str = "round") -> None:
         if metrics:
             self._put("log_metrics", metrics, step, axis)
+
+    def rows(self, rows: list[tuple[int, dict[str, float]]], axis: str = "step") -> None:
+        """Figures at several steps of `axis`, queued as one record (a site's flush)."""
+        if rows:
+            self._put("log_rows", rows, axis)
 
     def tags(self, tags: dict[str, str]) -> None:
         self._put("set_tags", tags)
