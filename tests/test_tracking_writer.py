@@ -136,3 +136,26 @@ def test_flat_params_leaves_secrets_out():
     cfg = {"federation": {"name": "f", "rounds": 3, "api_key": "k", "wandb": {"token": "t"}},
            "sites": [{"id": "a"}], "private_key_path": "/x"}
     assert flat_params(cfg) == {"federation.name": "f", "federation.rounds": "3", "sites": "[{'id': 'a'}]"}
+
+
+def test_rows_of_a_flush_travel_as_one_record_and_arrive_step_by_step(tmp_path):
+    GATE.set()
+    session, _ = _session(tmp_path, _kind(GatedTracker), capacity=1)
+    session.rows([(1, {"step/loss": 2.0}), (2, {"step/loss": 1.5}), (2, {"step/samples_per_s": 90.0})])
+    assert session.close() == {session.writers[0].name: 0}
+    assert session.writers[0].tracker.seen == [(1, "step", {"step/loss": 2.0}), (2, "step", {"step/loss": 1.5}),
+                                                (2, "step", {"step/samples_per_s": 90.0})]
+
+
+def test_the_coordinator_and_each_site_have_their_own_tracking_section():
+    from federation.config.schema import ExperimentConfig
+
+    cfg = ExperimentConfig.model_validate({
+        "federation": {"tracking": {"backends": [{"kind": "tensorboard"}]}},
+        "sites": [{"id": "a", "partition": 0, "tracking": {"backends": [{"kind": "wandb"}]}},
+                  {"id": "b", "partition": 1}]})
+    assert [b.kind for b in cfg.federation.tracking.backends] == ["tensorboard"]
+    assert [b.kind for b in cfg.sites[0].tracking.backends] == ["wandb"] and not cfg.sites[1].tracking.enabled
+    with pytest.raises(ValidationError, match=r"sites\.0\.tracking\.backends\.0"):
+        ExperimentConfig.model_validate({"sites": [{"id": "a", "partition": 0,
+                                                    "tracking": {"backends": [{"kind": "nope"}]}}]})

@@ -50,6 +50,11 @@ class Tracker:
     def log_metrics(self, metrics: dict[str, float], step: int, axis: str) -> None:
         """Figures at `step` of `axis`; keys are '/'-separated paths."""
 
+    def log_rows(self, rows: list[tuple[int, dict[str, float]]], axis: str) -> None:
+        """Figures at several steps (a site's flush); override where the backend takes them in one call."""
+        for step, metrics in rows:
+            self.log_metrics(metrics, step, axis)
+
     def set_tags(self, tags: dict[str, str]) -> None:
         """Labels of the run (the final model's digest, the checkpoint a user exports)."""
 

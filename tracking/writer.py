@@ -76,12 +76,7 @@ class BoundedWriter:
                 continue
             method, args = item
             try:
-                if method == "log_rows":  # several steps queued as one record
-                    rows, axis = args
-                    for step, metrics in rows:
-                        self.tracker.log_metrics(metrics, step, axis)
-                else:
-                    getattr(self.tracker, method)(*args)
+                getattr(self.tracker, method)(*args)
                 self.written += 1
             except Exception as err:  # noqa: BLE001
                 self._drop(err)
