@@ -46,7 +46,7 @@ def _kind(cls: type) -> str:
 
 def _session(tmp_path, *kinds: str, capacity: int = 3, close_timeout_s: float = 30.0) -> tuple[TrackingSession, list]:
     said: list[str] = []
-    cfg = TrackingConfig(backends=[{"kind": k} for k in kinds], queue_records=capacity,
+    cfg = TrackingConfig(backends=[{"kind": k} for k in kinds], queue_records=capacity, process=False,
                          close_timeout_s=close_timeout_s)
     return TrackingSession(cfg, RunInfo("coordinator", tmp_path, "t"), said.append), said
 
@@ -159,3 +159,27 @@ def test_the_coordinator_and_each_site_have_their_own_tracking_section():
     with pytest.raises(ValidationError, match=r"sites\.0\.tracking\.backends\.0"):
         ExperimentConfig.model_validate({"sites": [{"id": "a", "partition": 0,
                                                     "tracking": {"backends": [{"kind": "nope"}]}}]})
+
+
+def test_trackers_in_their_own_processes_write_and_account_for_what_they_lose(tmp_path):
+    """The default: each tracker in a helper process (real TensorBoard; an MLflow server that is
+    not there). What the child could not write comes back into the count said once."""
+    from federation.ops.supervisor import free_port
+    from tracking_readers import tensorboard_scalars
+
+    said: list[str] = []
+    cfg = TrackingConfig(backends=[{"kind": "tensorboard"}, {"kind": "mlflow", "options": {
+        "tracking_uri": f"http://127.0.0.1:{free_port()}", "http_retries": 0}}], close_timeout_s=120)
+    session = TrackingSession(cfg, RunInfo("site-x", tmp_path, "t"), said.append)
+    session.params({"a": "1"})
+    session.rows([(step, {"step/loss": 1.0 / step}) for step in range(1, 6)])
+    session.metrics({"round/loss": 0.5}, 1)
+    assert session.close() == {"tensorboard": 0, "mlflow": 3}
+    scalars = tensorboard_scalars(tmp_path / "tensorboard" / "site-x")
+    assert scalars["step/loss"] == {step: pytest.approx(1.0 / step) for step in range(1, 6)}
+    assert scalars["round/loss"] == {1: 0.5}
+    counts = [line for line in said if "record(s) dropped" in line]
+    assert len(counts) == 1 and "3 record(s) dropped for tracker mlflow" in counts[0], said
+    index = {t["tracker"]: t for t in json.loads((tmp_path / "tracking.json").read_text())["trackers"]}
+    assert index["tensorboard"]["where"] == str(tmp_path / "tensorboard" / "site-x")
+    assert index["tensorboard"]["written"] == 3 and index["mlflow"]["written"] == 0

@@ -10,6 +10,7 @@ importing the library.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +41,8 @@ class Tracker:
 
     def __init__(self, options: BaseModel, run: RunInfo):
         self.options, self.run = options, run
+        # set by the writer: how a tracker reports a failure it learns of outside its own calls
+        self.report_failure: Callable[[str], None] = lambda error: None
 
     def open(self) -> None:
         """Start the backend's run (import the library here)."""
@@ -63,6 +66,11 @@ class Tracker:
 
     def close(self) -> None:
         """End the backend's run."""
+
+    def lost(self) -> tuple[int, str | None]:
+        """Records this tracker accepted but could not write, and the first error (a tracker that
+        writes elsewhere, as process_tracker.py does, learns of them late)."""
+        return 0, None
 
     def where(self) -> str:
         """Where a user finds this run (a directory, a URI and run id): for the run's tracking.json."""

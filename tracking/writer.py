@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from tracking.config import TrackingConfig
+from tracking.process_tracker import ProcessTracker
 from tracking.registry import tracker_class
 from tracking.tracker import RunInfo, Tracker
 
@@ -39,6 +40,7 @@ class BoundedWriter:
         self.error: str | None = None  # the first failure
         self.broken = False  # open failed: nothing reaches the backend
         self._lock = threading.Lock()
+        tracker.report_failure = self.failed
         self.thread = threading.Thread(target=self._run, name=f"tracker-{name}", daemon=True)
         self.thread.start()
 
@@ -52,11 +54,14 @@ class BoundedWriter:
     def _drop(self, err: BaseException | None, records: int = 1) -> None:
         with self._lock:
             self.dropped += records
-            if err is not None and self.error is None:
-                self.error = f"{type(err).__name__}: {err}"
-                first = True
-            else:
-                first = False
+        if err is not None:
+            self.failed(f"{type(err).__name__}: {err}")
+
+    def failed(self, error: str) -> None:
+        """The tracker failed: said once, at the first failure."""
+        with self._lock:
+            first = self.error is None
+            self.error = self.error or error
         if first:
             self.warn(f"tracking: tracker {self.name} failed ({self.error}); the records it cannot take are "
                       "counted, and the count is logged when the run ends")
@@ -104,6 +109,11 @@ class BoundedWriter:
         if self.thread.is_alive():  # left behind: the records it still holds are lost
             with self._lock:
                 self.dropped += max(0, self.queue.qsize() - marker)
+        else:  # what the tracker took but could not write
+            lost, error = self.tracker.lost()
+            with self._lock:
+                self.dropped, self.written = self.dropped + lost, self.written - lost
+                self.error = self.error or error
         return self.dropped
 
 
@@ -116,10 +126,13 @@ class TrackingSession:
         self.warn = warn or log.warning
         self.writers: list[BoundedWriter] = []
         for i, spec in enumerate(cfg.backends):
-            cls = tracker_class(spec.kind)
             name = spec.kind if sum(b.kind == spec.kind for b in cfg.backends) == 1 else f"{spec.kind}[{i}]"
-            self.writers.append(BoundedWriter(cls(cls.Options.model_validate(spec.options), run), name,
-                                              cfg.queue_records, self.warn))
+            if cfg.process:
+                tracker: Tracker = ProcessTracker(spec, run)
+            else:
+                cls = tracker_class(spec.kind)
+                tracker = cls(cls.Options.model_validate(spec.options), run)
+            self.writers.append(BoundedWriter(tracker, name, cfg.queue_records, self.warn))
         self.closed = False
 
     def _put(self, method: str, *args: Any) -> None:
