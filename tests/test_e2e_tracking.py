@@ -22,7 +22,7 @@ from federation.protocol.downlink_steps import model_digest
 from tracking.flatten import flat_metrics
 from tracking_readers import mlflow_run, tensorboard_scalars, wandb_run
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow(seconds=160)]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow(seconds=170)]
 
 ROUNDS = 2
 SITE_ONLY = ("step/", "memory/", "round/")  # what the site's own trackers hold under these keys
