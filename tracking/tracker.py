@@ -2,8 +2,9 @@
 
 A tracker writes one party's figures to one backend. Subclass `Tracker`, give it an `Options`
 pydantic model, register it under the entry point group `sovereign_fl.trackers` and name it in
-`tracking.backends[].kind`. Its methods run on a thread of its own (writer.BoundedWriter), never on
-the training path; one that raises loses that record (counted) and the run goes on. Import the
+`tracking.backends[].kind`. Its methods run in a helper process of its own (process_tracker.py) or,
+with `tracking.process: false`, on a thread (writer.BoundedWriter), never on the training path; one
+that raises loses that record (counted) and the run goes on. Import the
 backend's library inside `open`, not at module level: the configuration finds the class without
 importing the library.
 """
