@@ -135,7 +135,8 @@ def test_the_site_tracker_holds_its_steps_and_epsilon_and_the_coordinators_none_
     assert len([r for r in rows if "step/loss" in r]) == steps
     assert params["site.id"] == "paris" and params["site.privacy.epsilon"] == "8.0"
     # none of the site-only keys reached the coordinator: not its trackers, not its metrics lines
-    coordinator_keys = {k for source in (_coordinator(run)[0], _coordinator(run)[1][0]) for k in source}
+    tb_coordinator, (ml_coordinator, _, _), (wb_rows, _, _) = _coordinator(run)
+    coordinator_keys = set(tb_coordinator) | set(ml_coordinator) | {k for row in wb_rows for k in row}
     assert not {k for k in coordinator_keys if k.startswith(SITE_ONLY)}
     text = (run / "metrics.jsonl").read_text()
     assert "step/" not in text and "host_peak_bytes" not in text and "samples_per_s" not in text
