@@ -131,8 +131,13 @@ def section_text(path: str, model: type[BaseModel], seen: dict[type, str]) -> st
 
 def builtin_workloads() -> dict[str, str]:
     """Entry point name -> 'module:Class' of this project's own workloads (pyproject.toml)."""
+    return builtin_entry_points("sovereign_fl.workloads")
+
+
+def builtin_entry_points(group: str) -> dict[str, str]:
+    """Entry point name -> 'module:Class' of this project's own plug-ins of `group` (pyproject.toml)."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
-    return dict(project["project"]["entry-points"]["sovereign_fl.workloads"])
+    return dict(project["project"]["entry-points"][group])
 
 
 def _load(target: str) -> object:
@@ -151,6 +156,8 @@ def config_models() -> tuple[list[tuple[str, type[BaseModel]]], dict[type, str]]
     out += model_sections(SiteAttestation, "federation.attestation.site", seen)
     for name, target in builtin_workloads().items():
         out += model_sections(_load(target).Options, f"workload.options ({name})", seen)
+    for name, target in builtin_entry_points("sovereign_fl.trackers").items():
+        out += model_sections(_load(target).Options, f"tracking.backends[].options ({name})", seen)
     return out, seen
 
 
@@ -254,6 +261,9 @@ GROUPS = {
                               "([attestation with real verifiers](../how-to/attestation.md)).",
     "sovereign_fl.attesters": "Attesters, named by `attester: {kind: NAME}` "
                               "([attestation with real verifiers](../how-to/attestation.md)).",
+    "sovereign_fl.trackers": "Experiment trackers, named by `tracking: {backends: [{kind: NAME}]}`: a class deriving "
+                             "from `tracking.tracker.Tracker` with its own pydantic `Options` "
+                             "([TensorBoard, MLflow and W&B](../how-to/tracking.md)).",
 }
 
 
@@ -277,7 +287,7 @@ def entry_points_page() -> str:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
     groups = {"console_scripts": project.get("scripts", {}), **project.get("entry-points", {})}
     out = [HEADER.format(source="pyproject.toml's entry points"), "# Plug-in entry points\n\n",
-           "sovereign-fl finds workloads, attestation verifiers and attesters by entry point, so a package of "
+           "sovereign-fl finds workloads, attestation verifiers, attesters and trackers by entry point, so a package of "
            "yours adds its own without touching this project: declare it in your `pyproject.toml` under the "
            "same group and install the package on every party that needs it.\n\n",
            "```toml\n[project.entry-points.\"sovereign_fl.workloads\"]\nlegal = \"mypkg.tasks:Legal\"\n```\n"]

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from site_trainer.pii.config import PiiConfig
 from site_trainer.policy_config import SitePolicy
 from site_trainer.privacy.config import PrivacyConfig
+from tracking.config import TrackingConfig
 from site_trainer.workload_loader import check_site, check_workload, merge_options
 
 
@@ -147,6 +148,10 @@ class SiteConfig(StrictModel):
     policy: SitePolicy | None = Field(
         None, description="what this site takes part in, checked by the site on every message before any "
                           "training (site_trainer/policy_config.py); None: every round the coordinator asks")
+    tracking: TrackingConfig = Field(
+        default_factory=TrackingConfig,
+        description="this site's own experiment trackers: its loss per step, learning rate, samples/s, memory and "
+                    "each round's reply figures (PII counts, epsilon), written by rank 0 and never sent anywhere")
     # Multi-node sites: one torchrun per node, joined by torchrun's c10d rendezvous.
     nnodes: int = Field(1, ge=1, le=64, description="nodes of this site; each runs `ranks` processes")
     rdzv_endpoint: str | None = Field(

@@ -30,6 +30,7 @@ from site_trainer.config import TrainerConfig
 from site_trainer.pii import transform as pii_transform
 from site_trainer.rank0_build import stream_rank0_build
 from site_trainer.session import RequestRejected, Session
+from site_trainer.step_tracking import step_tracking
 from site_trainer.workload import Batch, TaskContext
 
 log = logging.getLogger("sovfl.trainer")
@@ -121,6 +122,9 @@ class LocalTrainer:
         self._background_total: torch.Tensor | None = None  # [loss x samples, samples] of background steps
         self._background_last = 0  # the schedule position background steps stop advancing at
         self._answered_steps = self.cfg.site.local_steps  # local_steps of the last train round answered
+        self.tracking = step_tracking(cfg, self.rank, self.device)  # sites[].tracking, rank 0 only
+        if self.tracking is not None:
+            self.session.reply_listeners.append(self.tracking.reply)
         if self.dp is None:  # DP-SGD spends budget per round before its steps: no steps ahead of a request
             self.session.keep_training(self.background_step)
         if self.rank == 0:
@@ -234,14 +238,23 @@ class LocalTrainer:
         """Collective: one DP-SGD step over this rank's part of a Poisson-sampled logical batch
         (site_trainer/privacy/dp_sgd.py): per-record clipping, one noise draw for the whole batch."""
         assert self.dp is not None
+        t0 = time.perf_counter()
         batches = [to_device(b, self.device) for b in micro_batches]
         loss_sum, n = self.dp.gradients(batches, lambda: strategies.autocast(self.parallelism, self.device, self.dtype))
         self._set_lr()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.sched_step += 1
-        return torch.stack([loss_sum.to(self.device, torch.float64),
-                            torch.tensor(float(n), dtype=torch.float64, device=self.device)])
+        total = torch.stack([loss_sum.to(self.device, torch.float64),
+                             torch.tensor(float(n), dtype=torch.float64, device=self.device)])
+        self._track(total, t0)
+        return total
+
+    def _track(self, total: torch.Tensor, t0: float) -> None:
+        """The step just taken (begun at `t0`), to the site's own trackers (rank 0, when sites[].tracking
+        names any)."""
+        if self.tracking is not None:
+            self.tracking.step(self.sched_step, total, self.optimizer.param_groups[0]["lr"], time.perf_counter() - t0)
 
     def dp_sample(self) -> list[Batch]:
         """This rank's micro-batches of one Poisson-sampled logical batch."""
@@ -258,7 +271,7 @@ class LocalTrainer:
         the training device: reading it back is left to the caller, once per round, so that a GPU
         never waits for the host between steps.
         """
-        k = len(micro_batches)
+        t0, k = time.perf_counter(), len(micro_batches)
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
         for i, batch in enumerate(micro_batches):
             n = self.task.batch_size(batch)
@@ -275,6 +288,7 @@ class LocalTrainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.sched_step += 1
+        self._track(total, t0)
         return total
 
     def background_step(self, round_no: int, first: bool) -> None:
@@ -391,9 +405,14 @@ class LocalTrainer:
         return report
 
     def serve(self) -> None:
-        """Collective: answer the coordinator's rounds until the trainer is stopped."""
-        for rnd in self.session.rounds():
-            self.run_round(rnd)
+        """Collective: answer the coordinator's rounds until the trainer is stopped (then the site's
+        trackers write what they hold)."""
+        try:
+            for rnd in self.session.rounds():
+                self.run_round(rnd)
+        finally:
+            if self.tracking is not None:
+                self.tracking.close()
 
     def run_round(self, rnd) -> None:
         """Collective: the built-in loop's part of one round (the global model is already loaded)."""

@@ -235,6 +235,7 @@ class Session:
         # Figures of the site rather than of a round (the PII scrubber's counts per entity type), added
         # by rank 0 to every train reply as they are: numbers only, never text.
         self.site_metrics = {str(k): float(v) for k, v in (site_metrics or {}).items()}
+        self.reply_listeners: list[Callable[[int, dict], None]] = []  # rank 0: (round, a train reply's metrics)
         self.rounds_reported = 0
         self.last_files: list[str | None] = []
         self.ckpt_due: int | None = None  # rank 0: the round the next local checkpoint covers
@@ -486,6 +487,8 @@ class Session:
         self.last_files = [handle.path]
         req.answer({"ok": True, "update": handle.to_json(), "num_examples": count, "metrics": means,
                     "rank_digests": digests})
+        for listener in self.reply_listeners:  # the site's own trackers: what was just sent, nothing more
+            listener(rnd.number, dict(means))
         self._after_reply(rnd)  # the weights just sent, kept after the reply left (not on its path)
 
     def _idle_figures(self) -> dict[str, float]:

@@ -32,8 +32,12 @@ RULES = [
      "the codec library is numpy + pydantic only"),
     ("crypto", ("torch", "flwr", "federation", "site_trainer"), "crypto/ is numpy + cryptography only"),
     ("site_trainer", ("flwr", "federation"), "site_trainer/ knows nothing of Flower or the federation"),
+    ("tracking", ("torch", "flwr", "federation", "site_trainer"),
+     "tracking/ is pydantic + the trackers' own libraries, which every side may use"),
 ]
 CLIENT_APP = "federation.site.client_app"
+# never on the ClientApp's import path (one process per message): torch, and the trackers' libraries
+CLIENT_APP_FORBIDDEN = ("torch", "tensorboard", "mlflow", "wandb")
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -63,7 +67,7 @@ def imports_of(path: Path, root: Path) -> set[str]:
 
 def source_modules(root: Path) -> dict[str, Path]:
     """Module name -> file, for the packages the rules speak of."""
-    return {module_name(p, root): p for top in ("federation", "crypto", "site_trainer")
+    return {module_name(p, root): p for top in ("federation", "crypto", "site_trainer", "tracking")
             for p in sorted((root / top).rglob("*.py"))}
 
 
@@ -92,9 +96,10 @@ def violations(root: Path) -> list[str]:
             continue
         seen.add(name)
         for imp in imports_of(modules[name], root):
-            if _within(imp, "torch"):
+            heavy = next((f for f in CLIENT_APP_FORBIDDEN if _within(imp, f)), None)
+            if heavy is not None:
                 found.append(f"{modules[name].relative_to(root)}: imports {imp} (the ClientApp's import path "
-                             f"stays free of torch; reached from {CLIENT_APP})")
+                             f"stays free of {heavy}; reached from {CLIENT_APP})")
             todo.extend(p for p in _parents(imp) if p in modules)  # a.b.c runs a, a.b and a.b.c
     return sorted(set(found))
 
@@ -121,7 +126,7 @@ def test_the_checker_catches_each_kind_of_forbidden_import(tmp_path):
     files = {
         "federation/__init__.py": "",
         "federation/site/__init__.py": "",
-        "federation/site/client_app.py": "from federation.site import helper\n",
+        "federation/site/client_app.py": "from federation.site import helper, uses_tracking\n",
         "federation/site/helper.py": "def f():\n    import torch.nn\n",
         "federation/site/bad.py": "from federation.coordinator.driver import Coordinator\n",
         "federation/coordinator/__init__.py": "",
@@ -132,6 +137,8 @@ def test_the_checker_catches_each_kind_of_forbidden_import(tmp_path):
         "federation/ops/__init__.py": "",
         "crypto/__init__.py": "import flwr\n",
         "site_trainer/__init__.py": "from flwr.app import Message\n",
+        "federation/site/uses_tracking.py": "def f():\n    import mlflow\n",
+        "tracking/__init__.py": "from site_trainer import x\n",
     }
     write_tree(tmp_path, files)
     found = "\n".join(violations(tmp_path))
@@ -141,6 +148,8 @@ def test_the_checker_catches_each_kind_of_forbidden_import(tmp_path):
                    "federation/config/__init__.py: imports federation.ops",
                    "crypto/__init__.py: imports flwr",
                    "site_trainer/__init__.py: imports flwr.app",
+                   "tracking/__init__.py: imports site_trainer",
+                   "federation/site/uses_tracking.py: imports mlflow (the ClientApp's import path",
                    "federation/site/helper.py: imports torch.nn (the ClientApp's import path"):
         assert needle in found, found
 

@@ -19,6 +19,7 @@ from federation.config.restart_config import SiteRestarts
 from federation.config.strict import StrictModel
 from federation.protocol.codecs import CodecError, parse_codec_config, validate_for_protection
 from site_trainer.config import SiteConfig, WorkloadConfig, check_privacy_workload
+from tracking.config import TrackingConfig
 
 
 class Deadlines(StrictModel):
@@ -140,6 +141,8 @@ class FederationConfig(StrictModel):
                                          "local steps so that the slowest site's transfer and compute fit this many "
                                          "seconds, from the measured links (off when unset)")
     link: LinkPlan = Field(default_factory=LinkPlan, description="the link probe and round_target_s's choices")
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="the coordinator's experiment "
+                                     "trackers (TensorBoard, MLflow, W&B, plug-ins): each round's metrics line, live")
 
     @field_validator("downlink_codec")
     @classmethod

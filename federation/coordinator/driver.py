@@ -50,6 +50,7 @@ from federation.coordinator.round_messages import RoundMessages
 from federation.coordinator.round_planner import RoundPlanner, message_overhead_s
 from federation.coordinator.run_log import RunLog, metrics_line, round_summary, run_result
 from federation.coordinator.run_state import RunState
+from federation.coordinator.run_tracking import run_tracking
 from federation.coordinator.strategy import Exchange, ExchangeResult, RoundInput, RoundOutcome, Site, Strategy
 from federation.protocol import message_cost
 from federation.protocol import message_keys as keys
@@ -133,6 +134,9 @@ class Coordinator:
         self.metrics_path, self.checkpoints, self.checkpoint_writer = (self.log.metrics_path, self.log.checkpoints,
                                                                        self.log.writer)
         self.message_overhead_s = 0.0  # a message's seconds outside its handler, measured at discovery
+        self.tracking = run_tracking(cfg, self.workdir, run_id, self.progress)  # federation.tracking
+        if self.tracking is not None:
+            self.log.listeners.append(self.tracking.line)
 
     # ---- the parts' callbacks --------------------------------------------------------------------
     def progress(self, line: str) -> None:
@@ -317,7 +321,15 @@ class Coordinator:
     # ---- the run ---------------------------------------------------------------------------------
     def run(self, resume: bool = False) -> dict:
         """The whole run: discovery, every round (with `resume`, from the last checkpointed one, see
-        resume.py), the final evaluation; the run's result (result.json)."""
+        resume.py), the final evaluation; the run's result (result.json). The trackers' runs end
+        with it, whatever its end."""
+        try:
+            return self._run(resume)
+        finally:
+            if self.tracking is not None:
+                self.tracking.finish(self.model, self.checkpoints, self.history)
+
+    def _run(self, resume: bool) -> dict:
         if resume:
             self.state = resume_run(self.state, self.checkpoints, self.cfg, self.spec, self.metrics_path, self.progress)
         self.wait_for_sites()

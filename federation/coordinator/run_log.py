@@ -36,6 +36,7 @@ class RunLog:
         self.writer = CheckpointWriter()
         self.background = False
         self.wait_s = 0.0
+        self.listeners: list[Callable[[dict], None]] = []  # each line as written (the run's trackers)
 
     def wait_for_write(self) -> None:
         """Wait for the checkpoint being written in the background, if any (its error is raised)."""
@@ -59,6 +60,7 @@ class RunLog:
                 record["timing"]["checkpoint_s"] = round(time.monotonic() - t0, 4)
                 with path.open("a") as f:
                     f.write(json.dumps(record) + "\n")
+                self._written(record)
 
             self.writer.start(write, lambda _: line["timing"].update(checkpoint_s=record["timing"].get("checkpoint_s")))
             return
@@ -71,6 +73,11 @@ class RunLog:
         line["timing"].update(checkpoint_s=round(spent, 4), round_s=round(line["round_s"], 4))
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(line) + "\n")
+        self._written(json.loads(json.dumps(line)))
+
+    def _written(self, record: dict) -> None:
+        for listener in self.listeners:
+            listener(record)
 
 
 def run_result(history: list[dict], rounds: int, rejections: Mapping[str, int], messages: dict[str, int]) -> dict:

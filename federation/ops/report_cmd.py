@@ -263,6 +263,25 @@ def plan_table(lines: list[dict]) -> str | None:
     return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
 
 
+def tracking_table(run_dir: Path) -> str | None:
+    """The tracker runs the federation wrote (each party's tracking.json: the coordinator's in the
+    run directory, the sites' under sites/ when they ran beside it), None when tracking was off."""
+    rows = []
+    for index in [run_dir / "tracking.json", *sorted(run_dir.glob("sites/*/tracking.json"))]:
+        try:
+            doc = json.loads(index.read_text())
+        except (OSError, ValueError):
+            continue
+        for t in doc.get("trackers", []):
+            cells = [str(doc.get("party", "")), str(t.get("tracker", "")), str(t.get("where", "")),
+                     str(t.get("written", "")), str(t.get("dropped", ""))]
+            rows.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
+    if not rows:
+        return None
+    head = "".join(f"<th>{h}</th>" for h in ("party", "tracker", "where", "records written", "records dropped"))
+    return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
+
+
 def build_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write the run's HTML report (default RUN_DIR/report.html); its path."""
     run_dir = Path(run_dir)
@@ -281,6 +300,9 @@ def build_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
         parts.append("<h2>Links as measured (link probe)</h2>" + links)
     if plan is not None:
         parts.append("<h2>Codec and local steps chosen for the round target</h2>" + plan)
+    tracked = tracking_table(run_dir)
+    if tracked is not None:
+        parts.append("<h2>Experiment tracking runs</h2>" + tracked)
     style = "body{font-family:sans-serif;max-width:60em;margin:auto}td,th{padding:2px 8px;text-align:right}"
     page = f"<!doctype html><html><head><meta charset='utf-8'><title>sovfl report</title><style>{style}</style>" \
            f"</head><body>{''.join(parts)}</body></html>"
