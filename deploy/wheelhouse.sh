@@ -13,7 +13,7 @@ WHEELS=$(cd "$CONTEXT/wheels" && pwd)
 COPY=$(mktemp -d)
 trap 'rm -rf "$COPY"' EXIT
 # the wheel is built from a copy: building in the source tree would leave build/ there
-tar -C "$SRC" --exclude=__pycache__ -c pyproject.toml README.md crypto federation site_trainer | tar -C "$COPY" -x
+tar -C "$SRC" --exclude=__pycache__ -c pyproject.toml README.md crypto federation site_trainer tracking | tar -C "$COPY" -x
 rm -f "$WHEELS"/sovereign_fl-*.whl
 "$PY" -m pip wheel -q --disable-pip-version-check --no-deps --no-build-isolation -w "$WHEELS" "$COPY"
 "$PY" -m pip download -q --disable-pip-version-check --only-binary=:all: -d "$WHEELS" "$WHEELS"/sovereign_fl-*.whl

@@ -37,11 +37,11 @@ def _config(path: Path, tracking: bool) -> Path:
     down = free_port()  # nothing listens there
     paris = digits_site(0, "paris", 1, privacy={"enabled": True, "epsilon": 8.0, "noise_seed": 3})
     if tracking:
-        paris["tracking"] = {"backends": _backends(down), "flush_every_steps": 2}
+        paris["tracking"] = {"backends": _backends(down), "flush_every_steps": 2, "close_timeout_s": 600}
     fed = {"name": "tracked", "rounds": ROUNDS, "quorum": 2,
            "deadlines": {"connect_s": 120, "round_s": 120, "trainer_start_s": 240}}
     if tracking:
-        fed["tracking"] = {"backends": _backends(down)}
+        fed["tracking"] = {"backends": _backends(down), "close_timeout_s": 600}  # a loaded machine: all of it
     return write_config(path, {"federation": fed, "workload": {"task": "digits", "options": {"hidden": 8}},
                                "sites": [paris, digits_site(1, "frankfurt", 1)]})
 

@@ -44,8 +44,10 @@ class TrackingConfig(BaseModel):
     flush_every_s: float = Field(5.0, gt=0, description="... or at least every this many seconds, whichever is first")
     process: bool = Field(True, description="run each tracker in a helper process of its own (its work never competes "
                                            "with training for the interpreter); false: a thread in the party's process")
-    close_timeout_s: float = Field(10.0, ge=0, description="at the end of the run, how long the trackers may take "
-                                                           "to write what is queued; the rest is dropped and counted")
+    close_timeout_s: float = Field(60.0, ge=0, description="at the end of the run, how long the trackers may take "
+                                                           "to write what is queued (a first MLflow SQLite store "
+                                                           "creates its tables then); past it a tracker's records "
+                                                           "are counted as dropped and its helper process killed")
 
     @property
     def enabled(self) -> bool:

@@ -75,6 +75,11 @@ class ProcessTracker(Tracker):
         self.reader.join()
         self.proc.wait()
 
+    def abandon(self) -> None:
+        """Kill the child: a party that no longer waits for it leaves no process behind."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+
     def lost(self) -> tuple[int, str | None]:
         done = self.done or {}
         return int(done.get("failed", 0)), done.get("error")

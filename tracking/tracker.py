@@ -73,6 +73,10 @@ class Tracker:
         writes elsewhere, as process_tracker.py does, learns of them late)."""
         return 0, None
 
+    def abandon(self) -> None:
+        """The party stops waiting for this tracker (its close timed out): release what can be
+        released without waiting (a helper process is killed); a thread's call cannot be stopped."""
+
     def where(self) -> str:
         """Where a user finds this run (a directory, a URI and run id): for the run's tracking.json."""
         return ""

@@ -106,9 +106,12 @@ class BoundedWriter:
         except queue.Full:
             marker = 0
         self.thread.join(max(0.0, deadline - time.monotonic()))
-        if self.thread.is_alive():  # left behind: the records it still holds are lost
+        if self.thread.is_alive():  # left behind: nothing it took is known to be written
+            self.tracker.abandon()
             with self._lock:
-                self.dropped += max(0, self.queue.qsize() - marker)
+                self.dropped += self.written + max(0, self.queue.qsize() - marker)
+                self.written = 0
+                self.error = self.error or f"it did not finish within the close timeout ({timeout_s:.0f}s)"
         else:  # what the tracker took but could not write
             lost, error = self.tracker.lost()
             with self._lock:

@@ -5,7 +5,8 @@ It records the run's start (config digest, code version, CA and key fingerprints
 registered key), each site that enrolled, each round's group, settings and the digest of the
 global model it starts from (the previous round's aggregate applied), the digest of every update
 received (what the site signed: protocol/site_terms.update_digest), the sites left out and
-why (policy refusals and other rejections), and the mean update's digest when it is in memory. Cross-witnessing: every
+why (policy refusals and other rejections), the mean update's digest when it is in memory, and
+each checkpoint once written (`checkpointed`). Cross-witnessing: every
 reply carries the site's log head, recorded here (`witness`); every message of a round carries
 this log's head (AUDIT) and the round's terms (TERMS), which the sites' policies judge.
 Policy refusals are counted as `rejections.policy:<code>` and named in the line's `policy_refused`.
@@ -125,6 +126,12 @@ class AuditHook(RoundHook):
         self.write([("round_closed", {"run": self.run_id, "round": rnd, "aggregated": sorted(out.per_site),
                                       "count": out.count, "failed": dict(out.failed), "policy_refused": refused,
                                       "aggregate_digest": arrays_digest(out.mean)})])
+
+    def checkpointed(self, line: dict) -> None:
+        """Round `line["round"]`'s checkpoint and metrics line are on disk (run_log.RunLog.listeners;
+        on the writer's thread when it writes in the background)."""
+        self.write([("checkpoint_written", {"run": self.run_id, "round": line.get("round"),
+                                            "status": line.get("status")})])
 
     def metrics(self, rnd: int, line: dict) -> None:
         """This log's head after the round, and the last write that failed, if any."""

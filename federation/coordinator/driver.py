@@ -30,7 +30,6 @@ from crypto.envelope import ReplayGuard
 from crypto.pki import CoordinatorBundle
 from federation.config.schema import ExperimentConfig
 from federation.coordinator.admission import Admission, AdmissionOutcome
-from federation.coordinator.audit_hook import audit_hook
 from federation.coordinator.aggregate import ServerOptimizer
 from federation.coordinator.bulk_path import BulkPath
 from federation.coordinator.bulk_server import BulkServer
@@ -50,7 +49,7 @@ from federation.coordinator.round_messages import RoundMessages
 from federation.coordinator.round_planner import RoundPlanner, message_overhead_s
 from federation.coordinator.run_log import RunLog, metrics_line, round_summary, run_result
 from federation.coordinator.run_state import RunState
-from federation.coordinator.run_tracking import run_tracking
+from federation.coordinator.run_observers import run_observers
 from federation.coordinator.strategy import Exchange, ExchangeResult, RoundInput, RoundOutcome, Site, Strategy
 from federation.protocol import message_cost
 from federation.protocol import message_keys as keys
@@ -128,15 +127,13 @@ class Coordinator:
                                    self.protocol, "messages", 1) * self.message_overhead_s, self.bulk,
                                self.admission, self.secagg, self.links, self.planner, fed.evaluate)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        if fed.audit and bundle is not None:  # the signed audit log and the round terms (audit_hook.py)
-            self.hooks.append(audit_hook(self.workdir, cfg, bundle, self.roster, run_id, lambda: self.state.model))
         self.log = RunLog(self.workdir, cfg, run_id, lambda: self.state, self.progress)  # checkpoints, metrics.jsonl
         self.metrics_path, self.checkpoints, self.checkpoint_writer = (self.log.metrics_path, self.log.checkpoints,
                                                                        self.log.writer)
+        observers, self.tracking = run_observers(cfg, self.workdir, bundle, self.roster, run_id,
+                                                 lambda: self.state.model, self.log, self.progress)  # audit, trackers
+        self.hooks += observers
         self.message_overhead_s = 0.0  # a message's seconds outside its handler, measured at discovery
-        self.tracking = run_tracking(cfg, self.workdir, run_id, self.progress)  # federation.tracking
-        if self.tracking is not None:
-            self.log.listeners.append(self.tracking.line)
 
     # ---- the parts' callbacks --------------------------------------------------------------------
     def progress(self, line: str) -> None:
@@ -307,16 +304,12 @@ class Coordinator:
         line["timing"]["message_cost"] = message_cost.per_site(line["timing"].get("stages", []))
         line["messages"] = self.messages_per_site()
         if write:
-            self.record_round(rnd, line)
+            self.log.commit(rnd, line)  # its checkpoint, then its metrics line
         return line
 
     def wait_for_checkpoint(self) -> None:
         """Wait for the checkpoint being written in the background, if any (run_log.py)."""
         self.log.wait_for_write()
-
-    def record_round(self, rnd: int, line: dict) -> None:
-        """Checkpoint round `rnd`, then append its metrics line (run_log.py)."""
-        self.log.commit(rnd, line)
 
     # ---- the run ---------------------------------------------------------------------------------
     def run(self, resume: bool = False) -> dict:
@@ -324,26 +317,24 @@ class Coordinator:
         resume.py), the final evaluation; the run's result (result.json). The trackers' runs end
         with it, whatever its end."""
         try:
-            return self._run(resume)
+            if resume:
+                self.state = resume_run(self.state, self.checkpoints, self.cfg, self.spec, self.metrics_path,
+                                        self.progress)
+            self.wait_for_sites()
+            self.log.background = True
+            try:
+                self._rounds()
+            except BaseException:
+                try:  # the checkpoint in flight is finished (the process would wait for its thread anyway)
+                    self.checkpoint_writer.wait()
+                except Exception as err:  # the run's own error is the one to raise
+                    log.warning("the last checkpoint could not be written: %s", err)
+                raise
+            self.wait_for_checkpoint()  # every round's checkpoint and metrics line are on disk
+            return run_result(self.history, self.fed.rounds, self.rejections, self.messages_per_site())
         finally:
             if self.tracking is not None:
                 self.tracking.finish(self.model, self.checkpoints, self.history)
-
-    def _run(self, resume: bool) -> dict:
-        if resume:
-            self.state = resume_run(self.state, self.checkpoints, self.cfg, self.spec, self.metrics_path, self.progress)
-        self.wait_for_sites()
-        self.log.background = True
-        try:
-            self._rounds()
-        except BaseException:
-            try:  # the checkpoint in flight is finished (the process would wait for its thread anyway)
-                self.checkpoint_writer.wait()
-            except Exception as err:  # the run's own error is the one to raise
-                log.warning("the last checkpoint could not be written: %s", err)
-            raise
-        self.wait_for_checkpoint()  # every round's checkpoint and metrics line are on disk
-        return run_result(self.history, self.fed.rounds, self.rejections, self.messages_per_site())
 
     def _rounds(self) -> None:
         """Every round from `start_round` on (the last one with the final evaluation)."""
@@ -354,5 +345,5 @@ class Coordinator:
                 line.update(self.final_evaluation())
                 line["final_eval_downlink"] = self.downlink.round_metrics()
                 line["messages"] = self.messages_per_site()
-                self.record_round(rnd, line)
+                self.log.commit(rnd, line)  # its checkpoint, then its metrics line
             self.progress(round_summary(rnd, self.fed.rounds, line))

@@ -19,7 +19,7 @@ import functools
 import importlib.util
 import os
 
-PACKAGES = ("crypto", "federation", "site_trainer")
+PACKAGES = ("crypto", "federation", "site_trainer", "tracking")
 OPT_OUT = "SOVFL_NO_PRECOMPILE"  # set to 1 to leave bytecode alone (e.g. a read-only image)
 
 

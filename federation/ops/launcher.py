@@ -103,8 +103,9 @@ def start_trainer(sup: Supervisor, site: SiteConfig, cfg: ExperimentConfig, sock
     node = f"-node{node_rank}" if node_rank else ""  # nodes may share the workdir: one file each
     cfg_path = Path(tcfg.workdir) / f"trainer{node}.json"
     cfg_path.write_text(tcfg.model_dump_json(indent=2))
+    grace = 10.0 + (site.tracking.close_timeout_s if site.tracking.enabled else 0.0)  # its trackers' last records
     return sup.start(f"site-{site.id}{node}-trainer", trainer_argv(site, str(cfg_path), node_rank, rdzv_id, join_timeout_s),
-                     {"OMP_NUM_THREADS": "1"})
+                     {"OMP_NUM_THREADS": "1"}, grace)
 
 
 def start_supernode(sup: Supervisor, site: SiteConfig, superlink: str, socket_path: str,

@@ -55,6 +55,7 @@ class Proc:
     name: str
     popen: subprocess.Popen
     log: Path
+    grace_s: float = 10.0  # how long a SIGTERM may take before SIGKILL (a site's trackers write their last records)
 
     def alive(self) -> bool:
         """Whether it still runs."""
@@ -80,8 +81,10 @@ class Supervisor:
         env.update(extra or {})
         return env
 
-    def start(self, name: str, argv: list[str], extra_env: dict[str, str] | None = None) -> Proc:
-        """Start a child in its own process group, output to logs/<name>.log."""
+    def start(self, name: str, argv: list[str], extra_env: dict[str, str] | None = None,
+              grace_s: float = 10.0) -> Proc:
+        """Start a child in its own process group, output to logs/<name>.log; stopping it waits
+        `grace_s` after SIGTERM."""
         ensure_compiled()  # children import our packages from bytecode, not source (ops/bytecode.py)
         logs = self.workdir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
@@ -89,18 +92,21 @@ class Supervisor:
         with open(log, "ab") as out:
             popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=self.env(extra_env), cwd=self.workdir, start_new_session=True)
-        proc = Proc(name, popen, log)
+        proc = Proc(name, popen, log, grace_s)
         self.procs.append(proc)
         (self.workdir / "pids.json").write_text(json.dumps({p.name: p.popen.pid for p in self.procs}, indent=1))
         return proc
 
-    def stop(self, proc: Proc, grace_s: float = 10.0) -> None:
-        """SIGTERM the process group, then SIGKILL after `grace_s`."""
+    def stop(self, proc: Proc, grace_s: float | None = None) -> None:
+        """SIGTERM the process group, then SIGKILL after `grace_s` (default: the process's own)."""
         self.stop_all([proc], grace_s)
 
-    def stop_all(self, procs: list[Proc], grace_s: float = 10.0) -> None:
-        """SIGTERM every group at once, wait for all under one deadline, then SIGKILL what is left:
-        a teardown costs the slowest child's shutdown, not the sum of them all."""
+    def stop_all(self, procs: list[Proc], grace_s: float | None = None) -> None:
+        """SIGTERM every group at once, wait for all under one deadline (default: the longest grace
+        of `procs`), then SIGKILL what is left: a teardown costs the slowest child's shutdown, not
+        the sum of them all."""
+        if grace_s is None:
+            grace_s = max((p.grace_s for p in procs), default=10.0)
         for proc in procs:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.popen.pid, signal.SIGTERM)
