@@ -314,7 +314,7 @@ CODE_GROUPS = [
                        "federation/protocol/bulk.py", "federation/protocol/bulk_rpc.py"], "`rejections.bulk_<code>`",
      "Refusals of the data path's channel ([The data path beside Flower](../explanation/data-path.md)); a stream "
      "refused before any reply named it is counted too."),
-    ("Site policy", ["federation/site/policy_check.py", "federation/site/policy_mod.py"],
+    ("Site policy", ["federation/protocol/policy_check.py", "federation/site/policy_mod.py"],
      "`rejections.policy:<code>`, and the round's `policy_refused`",
      "A site refuses a round outside its own policy (`sites[].policy`) before any training, or an update "
      "that breaks it before it leaves; the site stays in the run for the rounds that comply "

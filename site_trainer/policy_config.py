@@ -3,7 +3,7 @@
 Pydantic only (no torch): the federation's schema and the torch-free ClientApp import this module.
 The coordinator never sends any of it, and its messages cannot switch a rule off: the site checks
 every train message against it before any training, and every update before it leaves
-(federation/site/policy_check.py names the reason code of each rule). No `policy` at all: the site
+(federation/protocol/policy_check.py names the reason code of each rule). No `policy` at all: the site
 takes every round, as before; a `policy: {}` holds the defaults below, which refuse what would
 expose the site's update (weights instead of deltas, an update neither masked nor sealed, a
 SecAgg+ sum with fewer than two other sites).
@@ -51,3 +51,7 @@ class SitePolicy(BaseModel):
         "accepted server strategies (fedavg, fedadam, fedyogi, diloco; None: any)"))
     max_rounds: int | None = Field(None, ge=1, description="the most rounds this site sends an update in, per run")
     max_bytes: int | None = Field(None, ge=1, description="the most update bytes this site sends, per run")
+    announce: bool = Field(True, description=(
+        "tell the coordinator this policy at discovery, so that it leaves this site out of a round the policy "
+        "refuses and says why before sending it anything; the site checks every round itself either way "
+        "(False: the coordinator learns of a refusal only from the site's reply)"))

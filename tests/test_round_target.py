@@ -107,8 +107,10 @@ def test_each_round_s_codec_and_steps_are_chosen_from_the_measured_links_applied
     assert {first[s]["round"] for s in first} == {0} and {last[s]["round"] for s in last} == {3}
     if shaped:  # s1's link is the shaped one: the slowest, and measured as such
         for figs in (first, last):
-            # (tests/test_link_probe.py holds the probe to 20% of nominal; here the machine also runs the round)
-            assert abs(figs["s1"]["up_mbit"] - 20) <= 4 and 19 <= figs["s1"]["rtt_ms"] <= 30, figs["s1"]
+            # (tests/test_link_probe.py holds the probe to 20% of nominal; here the machine also runs the
+            # round, and load only ever adds to an echo: the RTT is at least the delay line's 20 ms and
+            # under two of them, one round trip through the link)
+            assert abs(figs["s1"]["up_mbit"] - 20) <= 4 and 19 <= figs["s1"]["rtt_ms"] < 40, figs["s1"]
     assert sum("link measured on the data path" in x for x in lines) == 4  # s0 and s1, twice
     assert sum("link measured through Flower" in x for x in lines) == 2
 

@@ -1,4 +1,4 @@
-"""The site policy's rules (federation/site/policy_check.py) against round configs and terms as the
+"""The site policy's rules (federation/protocol/policy_check.py) against round configs and terms as the
 coordinator builds them (round_messages.RoundMessages.config, RoundTerms): each rule refuses by its
 own reason code, and a round inside every rule is taken."""
 
@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from federation.config.schema import ExperimentConfig
 from federation.protocol.round_config import RoundConfig
 from federation.protocol.site_terms import RoundTerms
-from federation.site.policy_check import Identity, PolicyRefused, Usage, check_round, check_update
+from federation.protocol.policy_check import Identity, PolicyRefused, Usage, check_round, check_update
 from site_trainer.policy_config import SitePolicy
 
 FP = "sha256:" + "ab" * 32

@@ -130,8 +130,8 @@ class Coordinator:
         self.log = RunLog(self.workdir, cfg, run_id, lambda: self.state, self.progress)  # checkpoints, metrics.jsonl
         self.metrics_path, self.checkpoints, self.checkpoint_writer = (self.log.metrics_path, self.log.checkpoints,
                                                                        self.log.writer)
-        observers, self.tracking = run_observers(cfg, self.workdir, bundle, self.roster, run_id,
-                                                 lambda: self.state.model, self.log, self.progress)  # audit, trackers
+        observers, self.tracking = run_observers(cfg, self.workdir, bundle, self.roster, run_id, lambda: self.state,
+                                                 self.messages_out.codec, self.log, self.progress)  # audit, trackers
         self.hooks += observers
         self.message_overhead_s = 0.0  # a message's seconds outside its handler, measured at discovery
 

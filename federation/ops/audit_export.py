@@ -1,6 +1,7 @@
 """`sovfl audit export`: one Markdown page per run for a data-protection officer, from the verified
 audit logs of the coordinator and the sites (crypto/audit): the parties and their keys, the run's
-settings, each round's group, what was aggregated and refused and why, each site's privacy budget,
+settings, each round's group, what was aggregated and refused and why (a site that sat a round out
+for its announced policy, from the coordinator's log), each site's privacy budget,
 and the digests of every update sent and received. Only logs that verify are read; the page says
 which checks passed (`verify` of every log, `compare` of every site's with the coordinator's).
 """
@@ -72,6 +73,10 @@ def export_markdown(coordinator: Verdict, sites: list[Verdict]) -> str:
                 elif e["kind"] == "update_sent":
                     row["digest"] = g.get("digest")
                     row["epsilon"] = (g.get("privacy") or {}).get("dp_epsilon", "")
+        for e in _kinds(coordinator, "round_closed"):  # left out by the forecast of its announced policy
+            r = e["fields"]
+            for name, code in (r.get("policy_refused") or {}).items() if r.get("run") == run else ():
+                rows[(name, r.get("round"))].setdefault("decision", f"sat out: {code}")
         for (name, rnd), row in sorted(rows.items()):
             out.append(f"| {name} | {rnd} | {row.get('decision', '')} | `{row.get('digest', '')}` | "
                        f"{row.get('epsilon', '')} |\n")

@@ -7,17 +7,26 @@ checkpoint's tensors into it, and lets the task write its artefact (`Task.export
 `hf-causal-lm` a `save_pretrained` directory (the adapter; with `--merge` the merged full model)
 that `AutoModelForCausalLM.from_pretrained` loads; for other tasks and script workloads
 `model.safetensors` with the state dict.
+
+A run with an audit log (`federation.audit`) records each export in it when given the
+coordinator's bundle (`--bundle`): the round, the checkpoint's digest and each file written with
+its sha256, signed with the coordinator's key like every other entry. Without `--bundle` the
+export is made and the missing record is said on stderr: anyone who can read the checkpoint can
+copy it, so the log records the exports its operator makes, not every copy.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import sys
 from pathlib import Path
 
 import numpy as np
 
+from crypto.audit import LOG_NAME, AuditLog, AuditLogError, Head, log_path
+from crypto.pki import CoordinatorBundle
 from federation.config.schema import ConfigError, load_config
 from federation.coordinator.checkpoint import CheckpointError, CheckpointStore, load_checkpoint
 from federation.coordinator.run_record import RECORD, WorkloadRecord, read_workload
@@ -82,9 +91,41 @@ def load_global(model, weights: dict[str, np.ndarray], exchanged: list[str]) -> 
             t.copy_(layout.from_wire(np.array(arr, order="C"), t.dtype))  # (ascontiguousarray makes 0-dim 1-dim)
 
 
+def file_digest(path: Path) -> str:
+    """``sha256:<hex>`` of a file's bytes, read in 8 MiB pieces (a merged model is gigabytes)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while piece := f.read(8 << 20):
+            h.update(piece)
+    return "sha256:" + h.hexdigest()
+
+
+def export_log(run_dir: Path, bundle_dir: str | Path) -> AuditLog:
+    """The run's audit log, continued with the coordinator's key from `bundle_dir`; checked before
+    anything is written, so a wrong bundle fails the export instead of leaving it unrecorded."""
+    path = log_path(run_dir / LOG_NAME)
+    if not path.is_file():
+        raise ExportError(f"{run_dir}: no audit log ({LOG_NAME}; the run had federation.audit off): export "
+                          "without --bundle")
+    try:
+        bundle = CoordinatorBundle.load(bundle_dir)
+        return AuditLog(path, bundle.sign_key, bundle.name, "coordinator")
+    except (OSError, ValueError, KeyError, AuditLogError) as err:
+        raise ExportError(f"--bundle {bundle_dir}: cannot continue {path} with it ({err}); give the "
+                          "coordinator's provisioned bundle of this run") from None
+
+
+def record_export(audit: AuditLog, done: int, checkpoint_digest: str | None, files: list[Path],
+                  merge: bool) -> Head:
+    """Append the `exported` entry: which round, the checkpoint's digest, each file and its digest."""
+    return audit.append("exported", round=done, checkpoint_digest=checkpoint_digest, merge=merge,
+                        files={str(f): file_digest(f) for f in files if Path(f).is_file()})
+
+
 def export_run(run_dir: Path, out: Path, merge: bool = False, rnd: int | None = None,
-               config: str | None = None) -> tuple[int, list[Path]]:
-    """Export `run_dir`'s checkpoint of round `rnd` (latest) into `out`; returns (round, files written)."""
+               config: str | None = None, bundle: str | Path | None = None) -> tuple[int, list[Path]]:
+    """Export `run_dir`'s checkpoint of round `rnd` (latest) into `out`; returns (round, files
+    written). With `bundle` (the coordinator's) the export is recorded in the run's audit log."""
     import torch
 
     from site_trainer import workload_loader
@@ -92,6 +133,7 @@ def export_run(run_dir: Path, out: Path, merge: bool = False, rnd: int | None = 
 
     path = find_checkpoint(run_dir, rnd)
     record = run_workload(run_dir, config)
+    audit = export_log(run_dir, bundle) if bundle else None
     try:
         done, weights, _ = load_checkpoint(path)
     except CheckpointError as err:
@@ -106,18 +148,25 @@ def export_run(run_dir: Path, out: Path, merge: bool = False, rnd: int | None = 
             model = workload_loader.model_factory(wl.model or "")(dict(wl.options))
             exchanged = [n for n, p in model.named_parameters() if p.requires_grad]
             load_global(model, weights, exchanged)
-            return done, [save_state_dict(model, out)]
-        task = workload_loader.build_task(wl, TaskContext(role="export", seed=record.seed))
-        model = task.build_model()
-        load_global(model, weights, list(task.exchanged(model)))
-        return done, task.export(model, out, merge=merge)
+            files = [save_state_dict(model, out)]
+        else:
+            task = workload_loader.build_task(wl, TaskContext(role="export", seed=record.seed))
+            model = task.build_model()
+            load_global(model, weights, list(task.exchanged(model)))
+            files = task.export(model, out, merge=merge)
+    if audit is not None:
+        from federation.coordinator.audit_hook import arrays_digest
+
+        record_export(audit, done, arrays_digest(weights), files, merge)
+    return done, files
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     """`sovfl export`: write the run's global model; the files written, one a line."""
     try:
-        done, files = export_run(Path(args.run_dir), Path(args.out), args.merge, args.round, args.config)
-    except (ExportError, FileExistsError) as err:
+        done, files = export_run(Path(args.run_dir), Path(args.out), args.merge, args.round, args.config,
+                                 args.bundle)
+    except (ExportError, FileExistsError, AuditLogError) as err:
         print(f"sovfl export: {err}", file=sys.stderr)
         return 1
     except (ConfigError, ValueError) as err:  # the workload no longer builds (a moved model directory, ...)
@@ -126,6 +175,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     print(f"exported the global model of round {done} from {args.run_dir} to {args.out} ({len(files)} file(s)):")
     for f in files:
         print(f"  {f}")
+    if args.bundle:
+        print(f"recorded in {log_path(Path(args.run_dir) / LOG_NAME)}")
+    elif log_path(Path(args.run_dir) / LOG_NAME).is_file():
+        print(f"sovfl export: not recorded in the run's audit log ({LOG_NAME}): pass --bundle with the "
+              "coordinator's bundle to record exports", file=sys.stderr)
     return 0
 
 
@@ -138,5 +192,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                                         "OUT/adapter)")
     p.add_argument("--round", type=int, help="export this round's checkpoint (default: the latest)")
     p.add_argument("--config", help="the run's configuration file, for a run directory without workload.json")
+    p.add_argument("--bundle", help="the coordinator's provisioned bundle: record the export in the run's audit log")
     p.set_defaults(fn=cmd_export)
     return p

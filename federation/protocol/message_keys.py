@@ -43,6 +43,7 @@ MODEL_DIGEST = "model_digest"  # the model a site holds after a downlink message
 STEP_S_ESTIMATE = "step_s_estimate"  # discovery reply: the trainer's seconds per local step, timed at its start
 AUDIT_INDEX, AUDIT_HASH = "audit_index", "audit_hash"  # any reply: the site's audit-log head, witnessed
 MANIFEST = "manifest"  # discovery reply: the site's base-model manifest, JSON (coordinator/manifest_check.py)
+POLICY = "policy"  # discovery reply: the site's policy, JSON, when it announces it (coordinator/policy_forecast.py)
 
 # SecAgg+ steps (crypto/secagg): the setup of round r rides on a message of round r - 1 (or on
 # discovery), the masked input on round r's train message, the unmask on a query

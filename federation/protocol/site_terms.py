@@ -2,7 +2,7 @@
 
 - `RoundTerms`: the TERMS record a train message carries: the round's group (who its update is
   aggregated with), the strategy, whether it is a SecAgg+ round, the run's rounds. A site's policy
-  judges them with the round config before any training (federation/site/policy_check.py).
+  judges them with the round config before any training (federation/protocol/policy_check.py).
 - `update_digest`: one digest of a train reply's update both sides compute from the same bytes:
   the signed envelope header and signature (plain rounds), or the signed manifest of the masked
   chunks (SecAgg+). Each binds the whole payload by its digest, so the small record stands for it.

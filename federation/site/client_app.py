@@ -50,7 +50,7 @@ from federation.site.bulk_mod import bulk_mod
 from federation.site.codec_mod import codec_mod
 from federation.site.downlink_mod import dense_global, downlink_mod, offer_held
 from federation.protocol.testing_hooks import absent
-from federation.site.policy_mod import policy_mod
+from federation.site.policy_mod import announcement, policy_mod
 from federation.site.protection_mod import protection_mod
 from federation.site.replies import fail, status
 from federation.site.secagg_mod import secagg_mod
@@ -84,7 +84,8 @@ def query(msg: Message, context: Context) -> Message:
     step = {keys.STEP_S_ESTIMATE: float(info["step_s_estimate"])} if info.get("step_s_estimate") else {}
     held = _offer_held(env, msg)
     return Message(RecordDict({keys.STATUS: status(env.site, True, num_examples=info["num_examples"],
-                                                   ranks=info["ranks"], **manifest, **step, **held)}), reply_to=msg)
+                                                   ranks=info["ranks"], **manifest, **step, **held,
+                                                   **announcement(env))}), reply_to=msg)
 
 
 def _offer_held(env: SiteEnv, msg: Message) -> dict:

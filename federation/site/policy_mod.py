@@ -1,6 +1,6 @@
 """The site's policy, as a mod: every train message is held against the site's own rules
 (site_trainer/policy_config.py, node config `site-policy`) before any training, and the trainer's
-update against them before it leaves (policy_check.py).
+update against them before it leaves (federation/protocol/policy_check.py).
 
 A round outside the policy gets a failure reply whose error starts with the rule's reason code
 (`policy_<rule>: why`); the coordinator counts it as `policy:<code>` and the site stays in the run
@@ -18,7 +18,7 @@ from crypto.pki.keys import cert_fingerprint, load_cert, public_key_fingerprint
 from federation.protocol import message_keys as keys
 from federation.protocol.site_terms import RoundTerms
 from federation.site.attestation_mod import coordinator_trusted
-from federation.site.policy_check import Identity, PolicyRefused, Usage, check_round, check_update
+from federation.protocol.policy_check import Identity, PolicyRefused, Usage, check_round, check_update
 from federation.site.replies import fail, ok
 from federation.site.site_env import SiteEnv, SitePolicyError, site_env
 from site_trainer.policy_config import SitePolicy
@@ -92,6 +92,18 @@ def policy_mod(msg: Message, context: Context, call_next) -> Message:
     context.state[STATE_KEY] = ConfigRecord({"rounds": usage.rounds + 1,
                                              "bytes": usage.bytes + int(metrics.get("upload_bytes", 0))})
     return reply
+
+
+def announcement(env: SiteEnv) -> dict[str, str]:
+    """The discovery reply's POLICY field: the site's policy as JSON, when it announces it (the
+    coordinator then plans rounds around it, coordinator/policy_forecast.py)."""
+    try:
+        policy = env.policy
+    except SitePolicyError:
+        return {}  # every round is refused until the file is fixed; nothing to announce
+    if policy is None or not policy.announce:
+        return {}
+    return {keys.POLICY: policy.model_dump_json()}
 
 
 def _refused(msg: Message, env: SiteEnv, err: PolicyRefused, terms: RoundTerms | None) -> Message:
