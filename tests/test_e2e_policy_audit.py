@@ -35,8 +35,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow(seconds=120)]
 REFUSE = {"b": "policy_secagg_group_too_small", "c": "policy_unknown_peer", "d": "policy_codec",
           "e": "policy_dp_budget",
           "f": "policy_no_attestation"}
-POLICY = {"a": {}, "b": {"min_secagg_others": 7}, "c": {"peers": ["a", "b", "d", "e", "f"]}, "d": {"codecs": ["int8"], "announce": False},
-          "e": {"max_epsilon": 1.0}, "f": {"require_attestation": True}}
+POLICY = {"a": {}, "b": {"min_secagg_others": 7}, "c": {"peers": ["a", "b", "d", "e", "f"]},
+          "d": {"codecs": ["int8"], "announce": False}, "e": {"max_epsilon": 1.0}, "f": {"require_attestation": True}}
 
 
 def test_sites_refuse_rounds_by_rule_and_the_audit_logs_verify_and_agree(tmp_path, marker, monkeypatch, capsys):
@@ -74,7 +74,8 @@ def test_sites_refuse_rounds_by_rule_and_the_audit_logs_verify_and_agree(tmp_pat
     exported = [json.loads(x) for x in (run / "audit.jsonl").read_text().splitlines() if '"exported"' in x]
     assert len(exported) == 1 and exported[0]["fields"]["round"] == 2, exported
     files = exported[0]["fields"]["files"]
-    assert [Path(f).name for f in files] == ["model.safetensors"] and all(d.startswith("sha256:") for d in files.values())
+    assert [Path(f).name for f in files] == ["model.safetensors"]
+    assert all(d.startswith("sha256:") for d in files.values())
     assert exported[0]["fields"]["checkpoint_digest"].startswith("sha256:")
     assert main(["audit", "verify", str(coord), "--bundle", str(pki / "sites" / "a")]) == 0
     for s in sites:

@@ -115,7 +115,8 @@ class PolicyForecastHook(RoundHook):
         terms = RoundTerms(self.run_id, rnd, fed.rounds, fed.strategy, fed.secagg.enabled, sorted(names.values()))
         refused = forecast(self.policies, terms.group, cfg, terms, self.identity, fed.attestation.enabled, self.sent)
         for site, err in refused.items():
-            self.sat_out[site] = f"{err.code}: {err.detail} (forecast from the policy it announced; it sits the round out)"
+            self.sat_out[site] = (f"{err.code}: {err.detail} (forecast from the policy it announced; it sits the "
+                                  "round out)")
             self.progress(f"round {rnd}: site {site} sits out: its announced policy refuses the round: {err}")
         return [n for n in nodes if names[n] not in refused]
 
