@@ -27,8 +27,7 @@ def _terms(group, secagg=True) -> RoundTerms:
 
 
 def _forecast(policies, group, cfg=CFG, secagg=True, attested=False, sent=lambda s: 0):
-    return {s: e.code for s, e in forecast(policies, sorted(group), cfg, _terms(group, secagg), Identity(), attested,
-                                           sent).items()}
+    return {s: e.code for s, e in forecast(policies, cfg, _terms(group, secagg), Identity(), attested, sent).items()}
 
 
 def test_k_sits_a_site_out_until_a_third_joins():

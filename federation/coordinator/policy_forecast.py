@@ -62,13 +62,13 @@ def announced(status: ConfigRecord) -> SitePolicy | None:
         return None
 
 
-def forecast(policies: dict[str, SitePolicy], group: list[str], cfg: RoundConfig, terms: RoundTerms,
-             identity: Identity, attested: bool, sent: Callable[[str], int]) -> dict[str, PolicyRefused]:
-    """site -> the refusal its policy makes of the round with `group` (sites that sit out leave
-    the group, repeated until none more does); `sent(site)`: rounds it already sent an update in."""
+def forecast(policies: dict[str, SitePolicy], cfg: RoundConfig, terms: RoundTerms, identity: Identity,
+             attested: bool, sent: Callable[[str], int]) -> dict[str, PolicyRefused]:
+    """site -> the refusal its policy makes of the round (`terms.group` less the sites that sit
+    out, repeated until none more does); `sent(site)`: rounds it already sent an update in."""
     out: dict[str, PolicyRefused] = {}
     while True:
-        left = sorted(set(group) - set(out))
+        left = sorted(set(terms.group) - set(out))
         newly = {}
         for site in left:
             if site not in policies:
@@ -113,7 +113,7 @@ class PolicyForecastHook(RoundHook):
         cfg = RoundConfig(round=rnd, federation=fed.name, update_kind=fed.update_kind, codec=self.codec(rnd),
                           seal=fed.seal)
         terms = RoundTerms(self.run_id, rnd, fed.rounds, fed.strategy, fed.secagg.enabled, sorted(names.values()))
-        refused = forecast(self.policies, terms.group, cfg, terms, self.identity, fed.attestation.enabled, self.sent)
+        refused = forecast(self.policies, cfg, terms, self.identity, fed.attestation.enabled, self.sent)
         for site, err in refused.items():
             self.sat_out[site] = (f"{err.code}: {err.detail} (forecast from the policy it announced; it sits the "
                                   "round out)")

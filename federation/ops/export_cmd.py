@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import sys
 from pathlib import Path
 
@@ -91,15 +90,6 @@ def load_global(model, weights: dict[str, np.ndarray], exchanged: list[str]) -> 
             t.copy_(layout.from_wire(np.array(arr, order="C"), t.dtype))  # (ascontiguousarray makes 0-dim 1-dim)
 
 
-def file_digest(path: Path) -> str:
-    """``sha256:<hex>`` of a file's bytes, read in 8 MiB pieces (a merged model is gigabytes)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while piece := f.read(8 << 20):
-            h.update(piece)
-    return "sha256:" + h.hexdigest()
-
-
 def export_log(run_dir: Path, bundle_dir: str | Path) -> AuditLog:
     """The run's audit log, continued with the coordinator's key from `bundle_dir`; checked before
     anything is written, so a wrong bundle fails the export instead of leaving it unrecorded."""
@@ -118,8 +108,10 @@ def export_log(run_dir: Path, bundle_dir: str | Path) -> AuditLog:
 def record_export(audit: AuditLog, done: int, checkpoint_digest: str | None, files: list[Path],
                   merge: bool) -> Head:
     """Append the `exported` entry: which round, the checkpoint's digest, each file and its digest."""
+    from site_trainer.text_data import file_digest  # streamed: a merged model is gigabytes
+
     return audit.append("exported", round=done, checkpoint_digest=checkpoint_digest, merge=merge,
-                        files={str(f): file_digest(f) for f in files if Path(f).is_file()})
+                        files={str(f): "sha256:" + file_digest(Path(f)) for f in files if Path(f).is_file()})
 
 
 def export_run(run_dir: Path, out: Path, merge: bool = False, rnd: int | None = None,

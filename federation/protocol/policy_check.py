@@ -2,6 +2,8 @@
 code per rule. `check_round` runs on a train message before any training; `check_update` on the
 trainer's figures before the update leaves. Each raises `PolicyRefused` naming the rule broken;
 the policy mod turns it into a failure reply that the coordinator counts as `policy:<code>`.
+The coordinator runs `check_round` too, on the policies sites announce, to leave out of a round
+a site that would refuse it (coordinator/policy_forecast.py).
 """
 
 from __future__ import annotations
