@@ -117,7 +117,8 @@ def rounds(nbytes: int, n: int, device: torch.device, tmp: Path, copy: Memcpy
                                              "config": {"update_kind": "delta"}}, body)
             if not reply.get("ok"):
                 raise SystemExit(f"handoff: the trainer refused the round: {reply}")
-            handoff.release(reply["update"]["path"])
+            if not handoff.owned_path(reply["update"]):  # one of the trainer's own files stays for the next round
+                handoff.release(reply["update"]["path"])
             if r:
                 gin.append(nbytes / reply["metrics"]["load_s"] / 1e9)
                 gout.append(nbytes / reply["metrics"]["pack_s"] / 1e9)

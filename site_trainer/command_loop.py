@@ -25,7 +25,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from site_trainer import endpoint, handoff, layout
+from site_trainer import endpoint, handoff, layout, update_files
 
 log = logging.getLogger("sovfl.trainer")
 
@@ -42,7 +42,8 @@ class _Request:
 
     def __init__(self, method: str, request: dict, fut: Future | None, reader: handoff.Reader | None):
         self.method, self.request, self.fut, self.reader = method, request, fut, reader
-        self.update: handoff.Writer | None = None  # the update's file, allocated while the round trains
+        # the update's file, made ready while the round trains (one of the trainer's own, or a one-off)
+        self.update: handoff.Writer | update_files.OwnedWriter | None = None
         self.premapped: handoff.Premapped | None = None  # the global model, mapped while the round trains
 
     def answer(self, reply: dict) -> None:
@@ -51,7 +52,7 @@ class _Request:
             return
         if fut.set_running_or_notify_cancel():
             fut.set_result(reply)
-        else:  # nobody waits any more
+        elif not handoff.owned_path(reply.get("update")):  # nobody waits any more: free a one-off file
             handoff.release((reply.get("update") or {}).get("path"))
 
     def close(self) -> None:
@@ -62,8 +63,7 @@ class _Request:
             self.premapped.drop()
             self.premapped = None
         if self.update is not None:  # the round ended without an update: nobody will read the file
-            self.update.close()
-            handoff.release(self.update.handle.path)
+            self.update.abandon()
             self.update = None
 
 
@@ -197,6 +197,7 @@ class CommandLoop:
                 fut.set_result({"ok": False, "error": f"site {s.site}: the trainer is stopping"})
         for path in s.last_files:
             handoff.release(path)
+        s.close_files()
         for p in (s.config.socket, s.config.socket + ".ready"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(p)

@@ -12,12 +12,14 @@ pages are the relay's file; per rank the trainer holds only its shards and one t
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
 import threading
 import time
 import uuid
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,21 +43,68 @@ class Entry:
 
 @dataclass(frozen=True)
 class Handle:
-    """What travels over the socket instead of the tensors."""
+    """What travels over the socket instead of the tensors.
+
+    `generation`: None for a file made for this hand-off alone (its reader unlinks it); a number for
+    a file its writer owns and reuses (the trainer's update files, `update_files`): the reader must
+    not unlink it, and `Reader` checks that the file still holds that generation."""
 
     path: str
     entries: tuple[Entry, ...]
+    generation: int | None = None
+
+    @property
+    def owned(self) -> bool:
+        """Whether the writer owns the file (reuses it; the reader leaves it in place)."""
+        return self.generation is not None
 
     def to_json(self) -> dict:
-        return {"path": self.path, "entries": [[e.name, e.dtype, list(e.shape), e.offset] for e in self.entries]}
+        out = {"path": self.path, "entries": [[e.name, e.dtype, list(e.shape), e.offset] for e in self.entries]}
+        if self.generation is not None:
+            out["generation"] = self.generation
+        return out
 
     @staticmethod
     def from_json(obj: dict) -> "Handle":
         try:
             entries = tuple(Entry(str(n), str(d), tuple(int(x) for x in s), int(o)) for n, d, s, o in obj["entries"])
-            return Handle(str(obj["path"]), entries)
-        except (KeyError, TypeError, ValueError) as err:
+            gen = obj.get("generation")
+            return Handle(str(obj["path"]), entries, None if gen is None else int(gen))
+        except (AttributeError, KeyError, TypeError, ValueError) as err:
             raise ValueError(f"malformed hand-off handle: {err}") from None
+
+
+def owned_path(reply_handle: dict | None) -> bool:
+    """Whether a handle's JSON names a file its writer owns (so nobody else may unlink it)."""
+    return bool(reply_handle) and reply_handle.get("generation") is not None
+
+
+# An owned file starts with a stamp: what generation of bytes it holds (0 while being written).
+STAMP_BYTES = 64
+_MAGIC = b"sovflgen"
+
+
+def stamp(generation: int) -> np.ndarray:
+    """The STAMP_BYTES an owned file starts with when it holds `generation`."""
+    out = np.zeros(STAMP_BYTES, dtype=np.uint8)
+    out[:8] = np.frombuffer(_MAGIC, dtype=np.uint8)
+    out[8:16] = np.frombuffer(int(generation).to_bytes(8, "little"), dtype=np.uint8)
+    return out
+
+
+def _check_stamp(fd: int, handle: Handle) -> None:
+    """Take a shared lock on an owned file (its writer rewrites it only under an exclusive one) and
+    check it still holds the handle's generation."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise ValueError(f"hand-off file {handle.path} is being rewritten (generation {handle.generation} "
+                         "is gone)") from None
+    head = os.pread(fd, 16, 0)
+    gen = int.from_bytes(head[8:16], "little") if len(head) == 16 and head[:8] == _MAGIC else None
+    if gen != handle.generation:
+        raise ValueError(f"hand-off file {handle.path} holds generation {gen}, not {handle.generation}: "
+                         "its writer reused it before it was read")
 
 
 def scratch_dir(directory: str | Path | None = None) -> Path:
@@ -102,8 +151,9 @@ def _create(size: int, tag: str, directory: str | Path | None) -> Path:
     return path
 
 
-def _layout(spec: dict[str, tuple[str, tuple[int, ...]]]) -> tuple[tuple[Entry, ...], int]:
-    entries, offset = [], 0
+def layout_of(spec: dict[str, tuple[str, tuple[int, ...]]], base: int = 0) -> tuple[tuple[Entry, ...], int]:
+    """The entries of arrays of `spec` laid out back to back from byte `base`, and the end."""
+    entries, offset = [], base
     for name, (dtype, shape) in spec.items():
         e = Entry(name, np.dtype(dtype).str, tuple(int(x) for x in shape), offset)
         entries.append(e)
@@ -136,12 +186,16 @@ class _File:
         self._entries = {e.name: e for e in handle.entries}
         self._fd = os.open(handle.path, flags)
 
+    def _entry_range(self, name: str, start: int, n: int) -> Entry:
+        e = self._entries[name]
+        if start < 0 or start + n > e.nbytes:
+            raise ValueError(f"hand-off entry {name}: bytes [{start}, {start + n}) outside its {e.nbytes}")
+        return e
+
     def _io(self, op, name: str, start: int, view: memoryview) -> None:
         """pread/pwrite `view` at byte `start` of array `name` until done: one call moves at most
         ~2 GiB on Linux, and may move less."""
-        e = self._entries[name]
-        if start < 0 or start + len(view) > e.nbytes:
-            raise ValueError(f"hand-off entry {name}: bytes [{start}, {start + len(view)}) outside its {e.nbytes}")
+        e = self._entry_range(name, start, len(view))
         done = 0
         while done < len(view):
             n = op(self._fd, view[done:], e.offset + start + done)
@@ -175,7 +229,7 @@ class Writer(_File):
 
     def __init__(self, spec: dict[str, tuple[str, tuple[int, ...]]], tag: str = "x", directory: str | Path | None = None,
                  allocate: bool = False):
-        entries, size = _layout(spec)
+        entries, size = layout_of(spec)
         super().__init__(Handle(str(_create(size, tag, directory)), entries), os.O_RDWR if allocate else os.O_WRONLY)
         self.size = size
         self.allocate_s: float | None = None  # how long the allocation took (None: not asked, or it failed)
@@ -208,9 +262,7 @@ class Writer(_File):
         if self._bytes is None:
             super()._io(op, name, start, view)
             return
-        e = self._entries[name]
-        if start < 0 or start + len(view) > e.nbytes:
-            raise ValueError(f"hand-off entry {name}: bytes [{start}, {start + len(view)}) outside its {e.nbytes}")
+        e = self._entry_range(name, start, len(view))
         np.copyto(self._bytes[e.offset + start:e.offset + start + len(view)], np.frombuffer(view, dtype=np.uint8))
 
     def close(self) -> None:
@@ -220,6 +272,11 @@ class Writer(_File):
             self._map.close()
             self._map = None
         super().close()
+
+    def abandon(self) -> None:
+        """Nobody will read what was written: close and unlink the file (its memory goes back)."""
+        self.close()
+        release(self.handle.path)
 
     def target(self, name: str) -> np.ndarray | None:
         """The bytes of array `name` in the mapped file, to be written in place (None: not mapped)."""
@@ -252,14 +309,18 @@ def write_arrays(arrays: dict[str, np.ndarray], tag: str = "x", directory: str |
 class Reader(_File, Mapping):
     """The arrays of a hand-off file, each read into a fresh array when asked for (pread, no mapping).
 
-    Holds the file open, so it stays readable after the writer unlinks it.
+    Holds the file open, so it stays readable after the writer unlinks it. A file its writer owns
+    (`Handle.owned`) is held under a shared lock from open to close, which keeps its writer from
+    reusing it; opening one that no longer holds the handle's generation fails (ValueError).
     """
 
     def __init__(self, handle: Handle):
         super().__init__(handle, os.O_RDONLY)
         try:
             _check_size(handle, os.fstat(self._fd).st_size)
-        except ValueError:
+            if handle.owned:  # held under a shared lock until closed: its writer does not reuse it meanwhile
+                _check_stamp(self._fd, handle)
+        except (OSError, ValueError):
             self.close()
             raise
 
@@ -312,14 +373,20 @@ def map_arrays(handle: Handle) -> dict[str, np.ndarray]:
     return {e.name: buf[e.offset : e.offset + e.nbytes].view(e.dtype).reshape(e.shape) for e in handle.entries}
 
 
+_PREMAPPER: ThreadPoolExecutor | None = None
+
+
 class Premapped:
-    """`map_arrays(handle)` on a thread started now: the file's pages are mapped while the caller
-    does other work (the trainer: the global model, mapped while the round trains, for the delta)."""
+    """`map_arrays(handle)` on a worker thread, asked for now: the file's pages are mapped while the
+    caller does other work (the trainer: the global model, mapped while the round trains, for the
+    delta). The worker is started once and kept (a thread's start waits for the scheduler)."""
 
     def __init__(self, handle: Handle):
+        global _PREMAPPER
+        if _PREMAPPER is None:
+            _PREMAPPER = ThreadPoolExecutor(1, "sovfl-premap")
         self._arrays: dict[str, np.ndarray] | None = None
-        self._thread = threading.Thread(target=self._map, args=(handle,), name="sovfl-premap", daemon=True)
-        self._thread.start()
+        self._job = _PREMAPPER.submit(self._map, handle)
 
     def _map(self, handle: Handle) -> None:
         try:
@@ -329,12 +396,12 @@ class Premapped:
 
     def arrays(self) -> dict[str, np.ndarray] | None:
         """The mapped arrays (read-only), or None if the file could not be mapped."""
-        self._thread.join()
+        self._job.result()
         return self._arrays
 
     def drop(self) -> None:
         """Let go of the mapping (unmapped once no view of it is left)."""
-        self._thread.join()
+        self._job.result()
         self._arrays = None
 
 

@@ -43,7 +43,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from site_trainer import handoff, layout, strategies, transfer, update_pack
+from site_trainer import handoff, layout, strategies, transfer, update_files, update_pack
 from site_trainer.command_loop import CommandLoop, _Request, open_global
 from site_trainer.command_loop import RequestRejected  # noqa: F401 - re-exported: part of the session's API
 from site_trainer.local_checkpoints import LocalCheckpoints
@@ -203,6 +203,15 @@ def _wire_read(source: Mapping[str, np.ndarray]):
     return read
 
 
+def _ranges(reader: handoff.Reader) -> transfer.RangesOf:
+    """A tensor's byte-range reader from the hand-off file, where it travels in the dtype it loads as."""
+    def of(name: str, wire: np.dtype) -> transfer.ReadRange | None:
+        if reader.handle_entry(name).dtype != wire.str:
+            return None
+        return lambda start, out: reader.read_range(name, start, out)
+    return of
+
+
 class Session:
     """A site's connection to the federation, shared by every rank (see the module docstring).
 
@@ -247,6 +256,8 @@ class Session:
         self._overlap_warned = False
         self.loop = CommandLoop(self)  # rank 0's request pump, every rank's next command
         self.checkpoints = LocalCheckpoints(self)
+        # rank 0: the update's files, kept and mapped for the trainer's life (update_files.py)
+        self.update_files = update_files.UpdateFiles(f"{self.site}-update") if self.rank == 0 else None
         if self.rank == 0:  # update files of this site's killed predecessors (never released)
             for path in handoff.sweep_stale(f"{self.site}-update"):
                 log.info("site %s: removed the hand-off file %s of a trainer that no longer runs", self.site, path)
@@ -298,12 +309,14 @@ class Session:
         """Collective: the exchanged tensors from `source` (rank 0: a hand-off Reader or arrays by
         name; None elsewhere) into every rank's model. Returns {name: why} of refused tensors."""
         read = _wire_read(source) if self.rank == 0 else None
-        return transfer.stream_in(self._entries(), read, self.device)
+        ranges = _ranges(source) if self.rank == 0 and isinstance(source, handoff.Reader) else None
+        return transfer.stream_in(self._entries(), read, self.device, ranges=ranges)
 
-    def gather(self, visit=None) -> list[str]:
-        """Collective: walk the full exchanged tensors (rank 0 passes `visit(name, cpu_tensor)`);
-        returns every rank's digest (see `transfer.stream_out`)."""
-        mine = transfer.stream_out(self._entries(), visit, self.device)
+    def gather(self, visit=None, piecewise: bool = False) -> list[str]:
+        """Collective: walk the full exchanged tensors (rank 0 passes `visit(name, cpu_tensor)`, or
+        with `piecewise` `visit(name, flat, lo, hi)` from several threads); returns every rank's
+        digest (see `transfer.stream_out`)."""
+        mine = transfer.stream_out(self._entries(), visit, self.device, piecewise)
         if self.world == 1:
             return [mine]
         out: list = [None] * self.world
@@ -380,8 +393,8 @@ class Session:
             req.close()
             return None
         self._current = req
-        if kind == "train" and self.rank == 0:  # the update's files, made ready while the round trains
-            req.update = self._update_writer("update", allocate=True)
+        if kind == "train" and self.rank == 0:  # the update's file, made ready while the round trains
+            req.update = self._round_writer()
             if req.reader is not None and (req.request.get("config") or {}).get("update_kind", "delta") == "delta":
                 req.premapped = handoff.Premapped(req.reader.handle)
         rnd = Round(self, kind, req.request, time.perf_counter() - t0)
@@ -484,7 +497,7 @@ class Session:
             self.ckpt_due = rnd.number  # written before the next request is taken
         means.update(load_s=rnd.load_s, pack_s=time.perf_counter() - t1, **self.site_metrics, **rnd.figures)
         means.update(self._idle_figures())
-        self.last_files = [handle.path]
+        self.last_files = [] if handle.owned else [handle.path]  # an owned file stays for the next rounds
         req.answer({"ok": True, "update": handle.to_json(), "num_examples": count, "metrics": means,
                     "rank_digests": digests})
         for listener in self.reply_listeners:  # the site's own trackers: what was just sent, nothing more
@@ -519,18 +532,28 @@ class Session:
     def _update_writer(self, tag: str, allocate: bool = False) -> handoff.Writer:
         return handoff.Writer(self.layout.wire_spec(), tag=f"{self.site}-{tag}", allocate=allocate)
 
+    def _round_writer(self) -> handoff.Writer | update_files.OwnedWriter:
+        """Rank 0: a round's update file: one of the trainer's own (`update_files`) that no reader
+        holds, else a one-off file allocated while the round trains."""
+        owned = self.update_files.writer(self.layout.wire_spec())
+        return owned if owned is not None else self._update_writer("update", allocate=True)
+
+    def close_files(self) -> None:
+        """Rank 0: unlink the trainer's update files (its shutdown; readers holding one open keep it)."""
+        if self.update_files is not None:
+            self.update_files.close()
+
     def _write_exchanged(self, writer: handoff.Writer | None,
-                         put: Callable[[handoff.Writer], Callable[[str, torch.Tensor], None]]
+                         put: Callable[[handoff.Writer], transfer.PieceVisit]
                          ) -> tuple[handoff.Handle | None, list[str]]:
         """Collective: stream the exchanged tensors into rank 0's hand-off file `writer` (None on the
-        other ranks), one tensor at a time, each written by `put(writer)(name, tensor)`; (its handle
-        on rank 0, every rank's digest)."""
+        other ranks), one tensor at a time, each written a piece at a time by `put(writer)(name,
+        flat, lo, hi)`; (its handle on rank 0, every rank's digest)."""
         try:
-            digests = self.gather(put(writer) if writer is not None else None)
+            digests = self.gather(put(writer) if writer is not None else None, piecewise=True)
         except BaseException:
-            if writer is not None:  # no reply will name this file: free its memory now
-                writer.close()
-                handoff.release(writer.handle.path)
+            if writer is not None:  # no reply will name this file: free it (an owned one: for the next round)
+                writer.abandon()
             raise
         if writer is not None:
             writer.close()
@@ -542,7 +565,7 @@ class Session:
         holds the coordinator's starting model, which round 1 then does not send (federation's
         downlink, site/downlink_mod.py `offer_held`)."""
         handle, _ = self._write_exchanged(self._update_writer("export") if self.rank == 0 else None,
-                                          lambda writer: update_pack.UpdatePacker(writer, {}, None).weights)
+                                          lambda writer: update_pack.UpdatePacker(writer, {}, None).weights_piece)
         if handle is None:
             return
         self.last_files.append(handle.path)  # unlinked at the next round if the caller is gone
@@ -555,14 +578,14 @@ class Session:
         """Collective: stream the exchanged tensors into rank 0's hand-off file (weights, or the delta
         from the global model it read), one tensor at a time, each written once in its wire dtype
         (`update_pack`); every rank gets every rank's digest."""
-        def put(writer: handoff.Writer) -> Callable[[str, torch.Tensor], None]:
+        def put(writer: handoff.Writer) -> transfer.PieceVisit:
             mapped = req.premapped.arrays() if req.premapped is not None else None
             packer = update_pack.UpdatePacker(writer, {s.name: s for s in self.layout.exchanged}, req.reader, mapped)
-            return packer.delta if kind == "delta" else packer.weights
+            return packer.delta_piece if kind == "delta" else packer.weights_piece
 
         writer = None
         if self.rank == 0:  # the file allocated while the round trained (a new one if the round has none)
-            writer, req.update = req.update or self._update_writer("update"), None
+            writer, req.update = req.update or self._round_writer(), None
         handle, digests = self._write_exchanged(writer, put)
         if handle is not None and self.config.site.dump_updates:
             dump = Path(self.config.workdir) / "updates"

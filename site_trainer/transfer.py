@@ -22,8 +22,9 @@ Cheap on purpose, because the hand-off sits between every two rounds:
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
 import torch
@@ -31,10 +32,31 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from site_trainer import layout
-from site_trainer.weights_digest import WeightsDigest
+from site_trainer.weights_digest import WeightsDigest, fold
+
+PIECE_BYTES = 2 * 2**20  # what one job moves (a multiple of weights_digest.BLOCK_BYTES)
+WORKERS = max(2, min(4, os.cpu_count() or 2))  # the hand-off's threads on rank 0's host
+
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _pool() -> ThreadPoolExecutor:
+    """The hand-off's WORKERS threads, started once (inside `one_thread_per_op`, so their torch ops
+    stay single-threaded) and reused: a thread's start waits for the scheduler, which on a busy
+    host takes a while."""
+    global _POOL
+    if _POOL is None:
+        with one_thread_per_op():
+            _POOL = ThreadPoolExecutor(WORKERS, "sovfl-handoff")
+            for fut in [_POOL.submit(torch.zeros, 1) for _ in range(WORKERS)]:
+                fut.result()
+    return _POOL
+
 
 Entry = tuple[str, torch.Tensor]  # (state-dict name, the tensor the module holds: plain or DTensor)
 ReadInto = Callable[[str, np.ndarray], None]  # rank 0: fill this wire-dtype array with tensor `name`
+ReadRange = Callable[[int, np.ndarray], None]  # rank 0: a tensor's bytes from this offset into this uint8 array
+RangesOf = Callable[[str, np.dtype], "ReadRange | None"]  # a tensor's range reader, if it can be read so
 
 
 class _Staging:
@@ -116,6 +138,11 @@ class _FiniteChecks:
         if len(self._pending) > 2:
             self._pending.pop(0).result()
 
+    def mark(self, i: int) -> None:
+        """Tensor `i` was found not finite (checked elsewhere)."""
+        if self.flags is not None:
+            self.flags[i] = True
+
     def flagged(self) -> list[int]:
         """The indices of the tensors that are not finite (waits for the pending checks)."""
         while self._pending:
@@ -127,10 +154,34 @@ class _FiniteChecks:
             self._pool.shutdown(wait=True)
 
 
+def _nonfinite(t: torch.Tensor) -> bool:
+    if not t.numel() or not t.is_floating_point():
+        return False
+    lo, hi = torch.aminmax(t)
+    return not bool(torch.isfinite(lo) & torch.isfinite(hi))
+
+
+def _read_piece(read: ReadRange, raw: np.ndarray, flat: torch.Tensor | None, lo: int, hi: int, esz: int) -> bool:
+    """Bytes of elements [lo, hi) into `raw` (the destination's bytes); with `flat` (the destination
+    on the CPU), whether that piece holds a NaN or an Inf, checked while it is in the cache."""
+    read(lo * esz, raw[lo * esz:hi * esz])
+    return flat is not None and _nonfinite(flat[lo:hi])
+
+
+def _read_pieces(read: ReadRange, raw: np.ndarray, flat: torch.Tensor | None, esz: int) -> bool:
+    """The destination's bytes `raw` read a piece at a time on the hand-off's workers; whether
+    any piece of `flat` (when given) is not finite."""
+    futs = [_pool().submit(_read_piece, read, raw, flat, lo, hi, esz) for lo, hi in pieces(raw.size // esz, esz)]
+    wait(futs)  # every job ends before the buffer is used or an error is raised
+    return any([fut.result() for fut in futs])
+
+
 @torch.no_grad()
-def stream_in(entries: Sequence[Entry], read: ReadInto | None, device: torch.device, check_finite: bool = True
-              ) -> dict[str, str]:
+def stream_in(entries: Sequence[Entry], read: ReadInto | None, device: torch.device, check_finite: bool = True,
+              ranges: RangesOf | None = None) -> dict[str, str]:
     """Collective: every rank gets the tensors rank 0 reads with `read` (None on other ranks).
+    `ranges(name, wire_dtype)`: where it gives a byte-range reader for a tensor, rank 0 reads that
+    tensor a piece at a time on WORKERS threads (on the CPU checking each piece as it lands).
 
     Returns {name: reason} for tensors that were unreadable or not finite, the same on every rank
     (empty: all loaded). A rejected load leaves the model partly overwritten: the caller must load
@@ -146,22 +197,34 @@ def stream_in(entries: Sequence[Entry], read: ReadInto | None, device: torch.dev
             work.wait()
         _keep(target, full)
 
-    with contextlib.closing(_FiniteChecks(len(entries), device, rank == 0 and check_finite)) as checks:
+    checking = rank == 0 and check_finite
+    with one_thread_per_op(), contextlib.closing(_FiniteChecks(len(entries), device, checking)) as checks:
         for i, (name, t) in enumerate(entries):
             dtype, shape = t.dtype, tuple(t.shape)
             direct = not isinstance(t, DTensor) and t.device == device and t.is_contiguous()
             dest = t if direct else torch.empty(shape, dtype=dtype, device=device)
             if rank == 0:
                 wire = layout.wire_dtype(dtype)
+                by_range = ranges(name, np.dtype(wire)) if ranges is not None else None
+                esz = dest.element_size()
                 try:
-                    if device.type == "cpu":
+                    if device.type == "cpu" and by_range is not None:
+                        flat = dest.detach().reshape(-1)
+                        raw = layout.to_wire(flat).view(np.uint8)
+                        if _read_pieces(by_range, raw, flat if checking else None, esz):
+                            checks.mark(i)
+                    elif device.type == "cpu":
                         read(name, layout.to_wire(dest.detach()))
+                        checks.check(i, dest)
                     else:
-                        j, raw = staging.take(dest.numel() * dest.element_size())
-                        read(name, raw.numpy().view(wire).reshape(shape))
+                        j, raw = staging.take(dest.numel() * esz)
+                        if by_range is not None:
+                            _read_pieces(by_range, raw.numpy(), None, esz)
+                        else:
+                            read(name, raw.numpy().view(wire).reshape(shape))
                         dest.copy_(_as_dtype(raw, dtype, shape), non_blocking=True)
                         staging.mark(j)
-                    checks.check(i, dest)
+                        checks.check(i, dest)
                 except (OSError, ValueError, KeyError) as err:
                     unreadable[name] = f"cannot be read ({err})"
                     dest.zero_()  # the others wait for this broadcast: send something, then refuse the load
@@ -181,11 +244,36 @@ def stream_in(entries: Sequence[Entry], read: ReadInto | None, device: torch.dev
     return bad[0]
 
 
+@contextlib.contextmanager
+def one_thread_per_op():
+    """Torch ops single-threaded for a while (restored after): the hand-off's worker threads each
+    run one op at a time on their own core; an op's own threads would wait at every op's barrier
+    for the slowest of them, and on a busy host that one has lost its core."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def pieces(numel: int, element_size: int) -> list[tuple[int, int]]:
+    """Element ranges [lo, hi) of PIECE_BYTES each (the last shorter; one empty range for an empty
+    tensor): whole 4 KiB blocks but the last, so each piece's digest fold is the whole's."""
+    step = max(1, PIECE_BYTES // max(element_size, 1))
+    return [(lo, min(lo + step, numel)) for lo in range(0, numel, step)] or [(0, 0)]
+
+
+PieceVisit = Callable[[str, torch.Tensor, int, int], None]  # (name, the flat CPU tensor, lo, hi)
+
+
 @torch.no_grad()
-def stream_out(entries: Sequence[Entry], visit: Callable[[str, torch.Tensor], None] | None,
-               device: torch.device) -> str:
+def stream_out(entries: Sequence[Entry], visit: Callable[[str, torch.Tensor], None] | PieceVisit | None,
+               device: torch.device, piecewise: bool = False) -> str:
     """Collective under ZeRO: walk the full tensors in order, one CPU tensor at a time, calling
-    `visit(name, tensor)` on each (rank 0 packs them); return this rank's digest.
+    `visit(name, tensor)` on each (rank 0 packs them); return this rank's digest. `piecewise`:
+    `visit(name, flat, lo, hi)` on element ranges of PIECE_BYTES instead (`pieces`), from WORKERS
+    threads at once, each piece visited and digested by one job while it is in the CPU's cache.
 
     The digest (`WeightsDigest`, 16 hex chars) is of the tensors' bytes as they travel: under
     ddp of this rank's replica, under ZeRO of the full tensors as this rank assembles them from
@@ -193,41 +281,60 @@ def stream_out(entries: Sequence[Entry], visit: Callable[[str, torch.Tensor], No
     """
     h = WeightsDigest()
     staging = _Staging(device)
-    pending: list[list[Future]] = []
+    pending: list[tuple[list[Future], Future | None]] = []  # per tensor in flight: its pieces' jobs, its visit
 
     def landed(copied: torch.cuda.Event | None) -> None:
         if copied is not None:
             copied.synchronize()  # the asynchronous device-to-host copy is complete
 
-    def digest(host: torch.Tensor, copied: torch.cuda.Event | None) -> None:
+    def job(name: str, flat: torch.Tensor, copied: torch.cuda.Event | None, lo: int, hi: int
+            ) -> tuple[bytes, bytes, int]:
         landed(copied)
-        h.update(host)
+        if piecewise and visit is not None:
+            visit(name, flat, lo, hi)
+        raw = flat[lo:hi].view(torch.uint8)
+        return (*fold(raw), raw.numel())
 
-    def consume(name: str, host: torch.Tensor, copied: torch.cuda.Event | None) -> None:
+    def whole(name: str, host: torch.Tensor, copied: torch.cuda.Event | None) -> None:
         landed(copied)
         visit(name, host)
 
-    # Hashing and rank 0's packing read the same host tensor on two threads (both release the GIL).
-    with ThreadPoolExecutor(1, "sovfl-hash") as hasher, ThreadPoolExecutor(1, "sovfl-pack") as packer:
-        for name, t in entries:
-            full = (t.full_tensor() if isinstance(t, DTensor) else t).detach()
-            if len(pending) == 2:  # at most two tensors in flight: one being consumed, one queued
-                for fut in pending.pop(0):
-                    fut.result()
-            copied = None
-            if full.device.type == "cpu":
-                host = full.contiguous()
-            else:  # the buffer is free: its last consumers finished above
-                j, raw = staging.take(full.numel() * full.element_size())
-                host = _as_dtype(raw, full.dtype, full.shape)
-                host.copy_(full, non_blocking=True)
-                copied = staging.mark(j)
-            futs = [hasher.submit(digest, host, copied)]
-            if visit is not None:
-                futs.append(packer.submit(consume, name, host, copied))
-            pending.append(futs)
-            del full
-        for futs in pending:
-            for fut in futs:
-                fut.result()
+    def settle(item: tuple[list[Future], Future | None]) -> None:
+        futs, visited = item
+        for i, fut in enumerate(futs):
+            h.add(*fut.result(), last=i == len(futs) - 1)
+        if visited is not None:
+            visited.result()
+
+    # A whole-tensor visitor sees the tensors one at a time, in order, on a thread of its own.
+    serial = ThreadPoolExecutor(1, "sovfl-visit") if visit is not None and not piecewise else None
+    pool = _pool()
+    with one_thread_per_op():
+        try:
+            for name, t in entries:
+                full = (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+                if len(pending) == 2:  # at most two tensors in flight: one being consumed, one queued
+                    settle(pending.pop(0))
+                copied = None
+                if full.device.type == "cpu":
+                    host = full.contiguous()
+                else:  # the buffer is free: its last consumers finished above
+                    j, raw = staging.take(full.numel() * full.element_size())
+                    host = _as_dtype(raw, full.dtype, full.shape)
+                    host.copy_(full, non_blocking=True)
+                    copied = staging.mark(j)
+                flat = host.reshape(-1)
+                futs = [pool.submit(job, name, flat, copied, lo, hi)
+                        for lo, hi in pieces(host.numel(), host.element_size())]
+                pending.append((futs, serial.submit(whole, name, host, copied) if serial is not None else None))
+                del full
+            while pending:
+                settle(pending.pop(0))
+        finally:
+            for futs, visited in pending:  # let nothing start past an error (the buffers are about to go)
+                for fut in [*futs, visited]:
+                    if fut is not None:
+                        fut.cancel()
+            if serial is not None:
+                serial.shutdown(wait=True)
     return h.hexdigest()

@@ -41,6 +41,15 @@ def block_sums(raw: torch.Tensor) -> torch.Tensor:
     return body.view(_WORD).view(-1, BLOCK_BYTES // 8).sum(dim=1, dtype=_WORD)
 
 
+def fold(raw: torch.Tensor) -> tuple[bytes, bytes]:
+    """What the digest takes of the flat uint8 tensor `raw`: its block sums and its last partial
+    block's bytes (a worker thread computes these; `WeightsDigest.add` takes them in order)."""
+    sums = block_sums(raw)
+    tail = raw[sums.numel() * BLOCK_BYTES:]
+    return (sums.cpu().numpy().tobytes() if sums.numel() else b"",
+            tail.cpu().numpy().tobytes() if tail.numel() else b"")
+
+
 class WeightsDigest:
     """Fed tensor by tensor (each whole, or in pieces whose sizes are multiples of 4 KiB but the last)."""
 
@@ -52,16 +61,17 @@ class WeightsDigest:
         """Fold `t`'s bytes in; `last=False`: more pieces of the same tensor follow (then the piece
         must be a whole number of 4 KiB blocks)."""
         raw = _flat_bytes(t)
-        n = raw.numel()
-        if not last and n % BLOCK_BYTES:
-            raise ValueError(f"a digest piece followed by more must be whole 4 KiB blocks, got {n} bytes")
-        sums = block_sums(raw)
-        if sums.numel():
-            self._h.update(sums.cpu().numpy().tobytes())
-        tail = raw[sums.numel() * BLOCK_BYTES:]
-        if tail.numel():
-            self._h.update(tail.cpu().numpy().tobytes())
-        self._open += n
+        self.add(*fold(raw), raw.numel(), last)
+
+    def add(self, sums: bytes, tail: bytes, nbytes: int, last: bool = True) -> None:
+        """Take a piece's `fold` (of `nbytes` bytes), in the order of the pieces."""
+        if not last and nbytes % BLOCK_BYTES:
+            raise ValueError(f"a digest piece followed by more must be whole 4 KiB blocks, got {nbytes} bytes")
+        if sums:
+            self._h.update(sums)
+        if tail:
+            self._h.update(tail)
+        self._open += nbytes
         if last:
             self._h.update(b"|%d|" % self._open)
             self._open = 0

@@ -150,9 +150,10 @@ class ServiceTrainer:
                 "timeout_s": config.deadline_s}
 
     def train(self, model: GlobalModel, config: RoundConfig) -> TrainResult:
-        """Train; the update comes back as a hand-off file, held open here and unlinked: it is read
-        from the file a piece at a time (never mapped whole: its pages would count in this
-        process's resident set)."""
+        """Train; the update comes back as a hand-off file, held open here (and unlinked, unless the
+        trainer owns it: then the open Reader's lock keeps the trainer from reusing it until the
+        result is closed): it is read from the file a piece at a time (never mapped whole: its
+        pages would count in this process's resident set)."""
         reply = self._call("Train", self._request(model, config), config.deadline_s)
         try:
             upd = handoff.Handle.from_json(reply["update"])
@@ -163,7 +164,8 @@ class ServiceTrainer:
         except (OSError, ValueError) as err:
             raise TrainerFailed(f"cannot read the trainer's update hand-off: {err}") from None
         finally:
-            handoff.release(upd.path)
+            if not upd.owned:  # a one-off file; the trainer's own files stay (the Reader locks it meanwhile)
+                handoff.release(upd.path)
         return TrainResult({}, int(reply["num_examples"]), {k: float(v) for k, v in reply.get("metrics", {}).items()},
                            [str(d) for d in reply.get("rank_digests", [])], source=source)
 
