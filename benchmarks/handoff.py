@@ -6,9 +6,11 @@ rank 0 writes the update into the file the ClientApp and the data path read. Bot
 here on the path users run: a real `site_trainer.session.Session` (a gloo group of one rank, or
 nccl on a GPU) serving Train requests through `Session.serve_one`, the very load (`_begin`:
 `open_global` + `load`) and update packing (`_pack_update`) the trainer service runs. Its reply
-says how long each took (`load_s`, `pack_s`); nothing of it is re-implemented here. The update's
-file is allocated while the round trains (`handoff.Writer(allocate=True)`); the stand-in training
-here (one add to every weight) ends when that allocation has, and the wait is printed.
+says how long each took (`load_s`, `pack_s`); nothing of it is re-implemented here. The update goes
+into one of the trainer's own files, allocated and mapped once for its life (`update_files`: the
+first round allocates it while it trains; the stand-in training here, one add to every weight,
+ends when that allocation has, and the wait is printed); the reply's handle names it with a
+generation, and like the ClientApp this script leaves such a file in place.
 
 The model: bf16 tensors of 32 MiB (a 1.5B Llama's matrices are 8-100 MiB), `--mb` MB of them in
 all, every one exchanged; full fine-tuning, the update a delta (the default `update_kind`). The
@@ -106,8 +108,8 @@ def rounds(nbytes: int, n: int, device: torch.device, tmp: Path, copy: Memcpy
                 with torch.no_grad():  # "training": every weight moves, so the delta is not zero
                     for p in model.w:
                         p.add_(1.0)
-                # The update's file is allocated while the round trains (Session._begin); a real round
-                # trains for seconds, this one for a moment: let it end when the allocation has.
+                # The update's file is allocated while the first round trains (Session._begin); a real
+                # round trains for seconds, this one for a moment: let it end when the allocation has.
                 t0 = time.perf_counter()
                 if getattr(sess._current, "update", None) is not None:  # (a trainer that allocates ahead)
                     sess._current.update.allocated()
@@ -123,8 +125,8 @@ def rounds(nbytes: int, n: int, device: torch.device, tmp: Path, copy: Memcpy
                 gin.append(nbytes / reply["metrics"]["load_s"] / 1e9)
                 gout.append(nbytes / reply["metrics"]["pack_s"] / 1e9)
                 mem.append(copy.gbps(nbytes))
-        print(f"  {nbytes / 1e6:.0f} MB: the update file's allocation outlasted the round's training by "
-              f"{max(waits):.2f} s at most (not in the figures: a real round trains longer)", flush=True)
+        print(f"  {nbytes / 1e6:.0f} MB: the update file's allocation (first round) outlasted the round's training "
+              f"by {max(waits):.2f} s (not in the figures: a real round trains longer)", flush=True)
     finally:
         handoff.release(glob.path)
         del sess, model

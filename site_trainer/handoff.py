@@ -4,9 +4,10 @@ A model crosses the process boundary as one file in /dev/shm (RAM-backed): the w
 arrays out back to back and sends only the path and a small JSON layout over the socket; the
 reader maps the file and views each array in place. numpy only, so the torch-free relay can use it.
 
-The trainer's rank 0 uses `Reader` and `Writer` instead of mappings: it copies one array at a time
-with pread/pwrite, so a model's worth of shared pages never lands in a rank's resident set (the
-pages are the relay's file; per rank the trainer holds only its shards and one tensor in flight).
+The trainer's rank 0 reads the global model with `Reader` (pread, a piece at a time, no mapping of
+the relay's file in the load) and writes the update into one of its own long-lived, mapped files
+(`update_files`), whose handles carry a `generation`: the reader leaves such a file in place, and
+`Reader` holds it under a shared lock so that its writer does not reuse it meanwhile.
 """
 
 from __future__ import annotations

@@ -7,16 +7,17 @@ under ZeRO), rank 0 passes it on (to the update's hand-off file), and every rank
 assembled. Whatever the parallelism, no rank holds more of the full model than the tensors in
 flight (at most two).
 
-Cheap on purpose, because the hand-off sits between every two rounds:
+Cheap on purpose, because the hand-off sits between every two rounds. Rank 0's copies run on the
+hand-off's worker threads (WORKERS, started once), PIECE_BYTES at a time, each torch op on one
+thread (`one_thread_per_op`; torch, numpy, pread and pwrite release the GIL):
 - in: rank 0 reads each tensor straight into its destination (on the CPU, the parameter itself;
   on a GPU, a pinned staging buffer copied asynchronously, double-buffered) while the previous
   tensor's broadcast is still travelling; finiteness is checked as each tensor arrives (one
-  min/max reduction on the tensor's device, flags read once at the end; on the CPU on a worker
-  thread while the next tensor is read);
-- out: on a GPU each tensor is copied to pinned memory asynchronously; the digest
-  (`weights_digest`, at memory speed) and rank 0's packing (`update_pack`: the update written once,
-  in its wire dtype) run on two worker threads (torch, numpy and pwrite release the GIL), side by
-  side and overlapping the next tensor's all-gather and copy.
+  min/max reduction, flags read once at the end; on the CPU per piece, by the thread that read
+  it, while it is in the cache);
+- out: on a GPU each tensor is copied to pinned memory asynchronously; each piece is digested
+  (`weights_digest`, at memory speed) and, on rank 0, packed (`update_pack`: the update written
+  once, in its wire dtype) by one job, overlapping the next tensor's all-gather and copy.
 """
 
 from __future__ import annotations
