@@ -377,6 +377,14 @@ def map_arrays(handle: Handle) -> dict[str, np.ndarray]:
 _PREMAPPER: ThreadPoolExecutor | None = None
 
 
+def _forget_premapper() -> None:
+    global _PREMAPPER
+    _PREMAPPER = None  # a forked child has none of the parent's threads
+
+
+os.register_at_fork(after_in_child=_forget_premapper)
+
+
 class Premapped:
     """`map_arrays(handle)` on a worker thread, asked for now: the file's pages are mapped while the
     caller does other work (the trainer: the global model, mapped while the round trains, for the

@@ -536,7 +536,11 @@ class Session:
         """Rank 0: a round's update file: one of the trainer's own (`update_files`) that no reader
         holds, else a one-off file allocated while the round trains."""
         owned = self.update_files.writer(self.layout.wire_spec())
-        return owned if owned is not None else self._update_writer("update", allocate=True)
+        if owned is not None:
+            return owned
+        log.info("site %s: both update files are still being read (earlier rounds' uploads); this round's "
+                 "update goes to a one-off file", self.site)
+        return self._update_writer("update", allocate=True)
 
     def close_files(self) -> None:
         """Rank 0: unlink the trainer's update files (its shutdown; readers holding one open keep it)."""

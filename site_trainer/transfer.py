@@ -54,6 +54,14 @@ def _pool() -> ThreadPoolExecutor:
     return _POOL
 
 
+def _forget_pool() -> None:
+    global _POOL
+    _POOL = None  # a forked child has none of the parent's threads
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
 Entry = tuple[str, torch.Tensor]  # (state-dict name, the tensor the module holds: plain or DTensor)
 ReadInto = Callable[[str, np.ndarray], None]  # rank 0: fill this wire-dtype array with tensor `name`
 ReadRange = Callable[[int, np.ndarray], None]  # rank 0: a tensor's bytes from this offset into this uint8 array
