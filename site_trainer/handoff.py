@@ -254,8 +254,9 @@ class Writer(_File):
 
     def allocated(self) -> None:
         """Wait until the allocation asked for is over (done, or given up)."""
-        if self._allocating is not None:
-            self._allocating.join()
+        thread = self._allocating  # (the packing threads may ask at once)
+        if thread is not None:
+            thread.join()
             self._allocating = None
 
     def _io(self, op, name: str, start: int, view: memoryview) -> None:

@@ -323,7 +323,8 @@ def stream_out(entries: Sequence[Entry], visit: Callable[[str, torch.Tensor], No
             for name, t in entries:
                 full = (t.full_tensor() if isinstance(t, DTensor) else t).detach()
                 if len(pending) == 2:  # at most two tensors in flight: one being consumed, one queued
-                    settle(pending.pop(0))
+                    settle(pending[0])
+                    pending.pop(0)
                 copied = None
                 if full.device.type == "cpu":
                     host = full.contiguous()
@@ -338,12 +339,13 @@ def stream_out(entries: Sequence[Entry], visit: Callable[[str, torch.Tensor], No
                 pending.append((futs, serial.submit(whole, name, host, copied) if serial is not None else None))
                 del full
             while pending:
-                settle(pending.pop(0))
-        finally:
-            for futs, visited in pending:  # let nothing start past an error (the buffers are about to go)
-                for fut in [*futs, visited]:
-                    if fut is not None:
-                        fut.cancel()
+                settle(pending[0])
+                pending.pop(0)
+        finally:  # past an error, nothing more starts and nothing still runs (its buffers are about to go)
+            left = [fut for futs, visited in pending for fut in [*futs, visited] if fut is not None]
+            for fut in left:
+                fut.cancel()
+            wait(left)
             if serial is not None:
                 serial.shutdown(wait=True)
     return h.hexdigest()

@@ -140,8 +140,9 @@ class OwnedWriter(handoff._File):
 
     def allocated(self) -> None:
         """Wait until the file is large enough (and mapped, where that worked)."""
-        if self._growing is not None:
-            self._growing.join()
+        thread = self._growing  # (the packing threads may ask at once)
+        if thread is not None:
+            thread.join()
             self._growing = None
         if self._error is not None:
             raise OSError(f"update file {self.file.path}: cannot hold {self.size} bytes: {self._error}")
@@ -175,8 +176,9 @@ class OwnedWriter(handoff._File):
             return
         self._done = True
         try:
-            if self._growing is not None:
-                self._growing.join()
+            thread = self._growing
+            if thread is not None:
+                thread.join()
                 self._growing = None
             if self._error is None:
                 self._stamp(generation)

@@ -245,3 +245,44 @@ def test_a_nan_in_a_later_piece_of_the_model_is_refused(single_rank_group, tmp_p
     finally:
         handoff.release(gh.path)
         sess.close_files()
+
+
+def test_a_pack_that_fails_midway_leaves_the_file_for_the_next_round(single_rank_group, tmp_path, monkeypatch):
+    """A piece that cannot be packed fails the round; the update file is left unstamped (a handle
+    to it would fail) and unlocked, and the next round writes its update there, bit for bit."""
+    from site_trainer import update_pack
+
+    model = Bf16()
+    cfg = TrainerConfig(site=SiteConfig(id="uffail", partition=0), workload=WorkloadConfig(task="slm"),
+                        num_partitions=1, socket=str(tmp_path / "s.sock"), workdir=str(tmp_path))
+    sess = Session(model, cfg)
+    rng = np.random.default_rng(3)
+    glob = {k: _words(rng, t.shape) for k, t in layout.named_tensors(model).items()}
+    gh = handoff.write_arrays(glob, "uffail-global")
+    real = update_pack.UpdatePacker.weights_piece
+
+    def broken(self, name, flat, lo, hi):
+        if lo > 0:
+            raise OSError("no space left (test)")
+        real(self, name, flat, lo, hi)
+
+    def body(rnd):
+        rnd.report(num_examples=1)
+
+    request = {"global": gh.to_json(), "config": {"update_kind": "weights"}}
+    try:
+        monkeypatch.setattr(update_pack.UpdatePacker, "weights_piece", broken)
+        with pytest.raises(OSError, match="no space left"):
+            sess.serve_one("Train", {"round": 1, **request}, body)
+        (owned,) = sess.update_files.files
+        with pytest.raises(ValueError, match="holds generation 0"):
+            handoff.Reader(handoff.Handle(owned.path, (), sess.update_files.generation))  # left unstamped
+        assert owned.take()  # nobody holds it
+        owned.give_back()
+        monkeypatch.setattr(update_pack.UpdatePacker, "weights_piece", real)
+        reply = sess.serve_one("Train", {"round": 2, **request}, body)
+        assert reply["ok"] and reply["update"]["path"] == owned.path
+        _same(_read(handoff.Handle.from_json(reply["update"])), glob)  # the weights: the global just loaded
+    finally:
+        handoff.release(gh.path)
+        sess.close_files()
