@@ -47,17 +47,23 @@ class OwnedFile:
         self.capacity = 0
         self.mapped: np.ndarray | None = None  # the whole file as bytes, while it is mapped
         self._map: mmap.mmap | None = None
+        self._taken = False  # by a round of this process (its own lock would not stop a second take)
 
     def take(self) -> bool:
-        """Lock the file for a round's write (exclusive, never waiting); False: a reader holds it."""
+        """Lock the file for a round's write (exclusive, never waiting); False: a reader or another
+        round holds it."""
+        if self._taken:
+            return False
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return False
+        self._taken = True
         return True
 
     def give_back(self) -> None:
         fcntl.flock(self.fd, fcntl.LOCK_UN)
+        self._taken = False
 
     def unlinked(self) -> bool:
         """Whether someone removed the file's name (then its handle would name nothing)."""
@@ -217,7 +223,8 @@ class UpdateFiles:
             return None
         f = OwnedFile(self.tag, self.directory)
         self.files.append(f)
-        f.take()
+        if not f.take():  # (a fresh file: nobody else can hold it)
+            raise OSError(f"update file {f.path}: cannot lock it")
         return self._writer(f, spec)
 
     def _writer(self, f: OwnedFile, spec: dict[str, tuple[str, tuple[int, ...]]]) -> OwnedWriter:

@@ -286,3 +286,16 @@ def test_a_pack_that_fails_midway_leaves_the_file_for_the_next_round(single_rank
     finally:
         handoff.release(gh.path)
         sess.close_files()
+
+
+def test_a_file_taken_by_an_unfinished_round_is_not_taken_again(tmp_path):
+    files = update_files.UpdateFiles("test-uf-twice", directory=tmp_path)
+    try:
+        w1 = files.writer(_spec(10))  # never closed yet
+        w2 = files.writer(_spec(10))
+        assert w2.handle.path != w1.handle.path
+        assert files.writer(_spec(10)) is None
+        w1.close()
+        assert files.writer(_spec(10)).handle.path == w1.handle.path
+    finally:
+        files.close()
