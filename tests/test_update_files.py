@@ -174,18 +174,23 @@ def _words(rng, shape) -> np.ndarray:
     return np.asarray(rng.integers(0, 2**16, size=shape, dtype=np.uint16) & np.uint16(0xBFFF))
 
 
+def _session(tmp_path, site: str, seed: int) -> tuple[Bf16, Session, dict[str, np.ndarray], handoff.Handle]:
+    """A one-rank session of a Bf16 model, and a random global model of it in a hand-off file."""
+    model = Bf16()
+    cfg = TrainerConfig(site=SiteConfig(id=site, partition=0), workload=WorkloadConfig(task="slm"),
+                        num_partitions=1, socket=str(tmp_path / "s.sock"), workdir=str(tmp_path))
+    rng = np.random.default_rng(seed)
+    glob = {k: _words(rng, t.shape) for k, t in layout.named_tensors(model).items()}
+    return model, Session(model, cfg), glob, handoff.write_arrays(glob, f"{site}-global")
+
+
 def test_rounds_never_overwrite_an_update_still_being_read(single_rank_group, tmp_path):
     """Round 1's update is still open (a ClientApp uploading it) while rounds 2 and 3 are packed:
     round 2 goes to the other file, round 3 (both held) to a one-off file; every reader reads its
     own round's bytes. Once released, round 4 takes a trainer's file again. At the end the session
     closes its files."""
-    model = Bf16()
-    cfg = TrainerConfig(site=SiteConfig(id="uf", partition=0), workload=WorkloadConfig(task="slm"),
-                        num_partitions=1, socket=str(tmp_path / "s.sock"), workdir=str(tmp_path))
-    sess = Session(model, cfg)
-    rng = np.random.default_rng(0)
-    glob = {k: _words(rng, t.shape) for k, t in layout.named_tensors(model).items()}
-    gh = handoff.write_arrays(glob, "uf-global")
+    model, sess, glob, gh = _session(tmp_path, "uf", 0)
+    rng = np.random.default_rng(1)
     readers, want = [], []
 
     def train(round_no: int, kind: str) -> handoff.Handle:
@@ -252,13 +257,7 @@ def test_a_pack_that_fails_midway_leaves_the_file_for_the_next_round(single_rank
     to it would fail) and unlocked, and the next round writes its update there, bit for bit."""
     from site_trainer import update_pack
 
-    model = Bf16()
-    cfg = TrainerConfig(site=SiteConfig(id="uffail", partition=0), workload=WorkloadConfig(task="slm"),
-                        num_partitions=1, socket=str(tmp_path / "s.sock"), workdir=str(tmp_path))
-    sess = Session(model, cfg)
-    rng = np.random.default_rng(3)
-    glob = {k: _words(rng, t.shape) for k, t in layout.named_tensors(model).items()}
-    gh = handoff.write_arrays(glob, "uffail-global")
+    _, sess, glob, gh = _session(tmp_path, "uffail", 3)
     real = update_pack.UpdatePacker.weights_piece
 
     def broken(self, name, flat, lo, hi):
