@@ -177,11 +177,15 @@ def _read_piece(read: ReadRange, raw: np.ndarray, flat: torch.Tensor | None, lo:
     return flat is not None and _nonfinite(flat[lo:hi])
 
 
-def _read_pieces(read: ReadRange, raw: np.ndarray, flat: torch.Tensor | None, esz: int) -> bool:
-    """The destination's bytes `raw` read a piece at a time on the hand-off's workers; whether
-    any piece of `flat` (when given) is not finite."""
-    futs = [_pool().submit(_read_piece, read, raw, flat, lo, hi, esz) for lo, hi in pieces(raw.size // esz, esz)]
-    wait(futs)  # every job ends before the buffer is used or an error is raised
+def _start_pieces(read: ReadRange, raw: np.ndarray, flat: torch.Tensor | None, esz: int) -> list[Future]:
+    """The destination's bytes `raw` read a piece at a time on the hand-off's workers (`_landed`)."""
+    return [_pool().submit(_read_piece, read, raw, flat, lo, hi, esz) for lo, hi in pieces(raw.size // esz, esz)]
+
+
+def _landed(futs: list[Future]) -> bool:
+    """Wait for a tensor's piece reads; whether any piece was not finite (an error is raised only
+    once every job has ended: none still writes into the destination)."""
+    wait(futs)
     return any([fut.result() for fut in futs])
 
 
@@ -207,28 +211,59 @@ def stream_in(entries: Sequence[Entry], read: ReadInto | None, device: torch.dev
         _keep(target, full)
 
     checking = rank == 0 and check_finite
-    with one_thread_per_op(), contextlib.closing(_FiniteChecks(len(entries), device, checking)) as checks:
+    ahead: dict[int, list[Future]] = {}  # rank 0, CPU: reads already on the workers, by tensor index
+
+    def by_range(i: int) -> ReadRange | None:
+        name, t = entries[i]
+        return ranges(name, np.dtype(layout.wire_dtype(t.dtype))) if ranges is not None else None
+
+    def read_ahead(i: int) -> None:
+        """Start tensor i's reads now, while the previous one lands (rank 0 on the CPU, reading
+        straight into a parameter: no memory beyond the model's own)."""
+        if rank != 0 or device.type != "cpu" or i >= len(entries) or i in ahead:
+            return
+        t = entries[i][1]
+        try:
+            read_i = by_range(i)
+        except (KeyError, ValueError):  # the tensor's own turn says what is wrong
+            return
+        if read_i is None or isinstance(t, DTensor) or t.device != device or not t.is_contiguous():
+            return
+        flat = t.detach().reshape(-1)
+        ahead[i] = _start_pieces(read_i, layout.to_wire(flat).view(np.uint8), flat if checking else None,
+                                 t.element_size())
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(one_thread_per_op())
+        checks = stack.enter_context(contextlib.closing(_FiniteChecks(len(entries), device, checking)))
+        # past an error, no read still writes into a parameter (the first thing done on the way out)
+        stack.callback(lambda: wait([fut for futs in ahead.values() for fut in futs]))
         for i, (name, t) in enumerate(entries):
             dtype, shape = t.dtype, tuple(t.shape)
             direct = not isinstance(t, DTensor) and t.device == device and t.is_contiguous()
             dest = t if direct else torch.empty(shape, dtype=dtype, device=device)
             if rank == 0:
                 wire = layout.wire_dtype(dtype)
-                by_range = ranges(name, np.dtype(wire)) if ranges is not None else None
+                rr = by_range(i)
                 esz = dest.element_size()
+                read_ahead(i)
+                read_ahead(i + 1)
                 try:
-                    if device.type == "cpu" and by_range is not None:
+                    if i in ahead:
+                        if _landed(ahead.pop(i)):
+                            checks.mark(i)
+                    elif device.type == "cpu" and rr is not None:  # a temporary full tensor (ZeRO)
                         flat = dest.detach().reshape(-1)
-                        raw = layout.to_wire(flat).view(np.uint8)
-                        if _read_pieces(by_range, raw, flat if checking else None, esz):
+                        if _landed(_start_pieces(rr, layout.to_wire(flat).view(np.uint8), flat if checking else None,
+                                                 esz)):
                             checks.mark(i)
                     elif device.type == "cpu":
                         read(name, layout.to_wire(dest.detach()))
                         checks.check(i, dest)
                     else:
                         j, raw = staging.take(dest.numel() * esz)
-                        if by_range is not None:
-                            _read_pieces(by_range, raw.numpy(), None, esz)
+                        if rr is not None:
+                            _landed(_start_pieces(rr, raw.numpy(), None, esz))
                         else:
                             read(name, raw.numpy().view(wire).reshape(shape))
                         dest.copy_(_as_dtype(raw, dtype, shape), non_blocking=True)
