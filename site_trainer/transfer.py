@@ -14,7 +14,7 @@ thread (`one_thread_per_op`; torch, numpy, pread and pwrite release the GIL):
   on a GPU, a pinned staging buffer copied asynchronously, double-buffered) while the previous
   tensor's broadcast is still travelling; finiteness is checked as each tensor arrives (one
   min/max reduction, flags read once at the end; on the CPU per piece, by the thread that read
-  it, while it is in the cache);
+  it, while it is in the cache; there the next tensor's reads start before the current one lands);
 - out: on a GPU each tensor is copied to pinned memory asynchronously; each piece is digested
   (`weights_digest`, at memory speed) and, on rank 0, packed (`update_pack`: the update written
   once, in its wire dtype) by one job, overlapping the next tensor's all-gather and copy.
