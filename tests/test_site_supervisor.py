@@ -123,6 +123,16 @@ def test_link_watch_restarts_a_live_supernode_when_its_superlink_comes_back(sup)
         guard.tick()  # down (not listening yet): nothing to do
         listener.listen()
         clock.t += site_supervisor.PROBE_EVERY_S
+        guard.tick()  # up for the first time (the site started before its coordinator): nothing to do
+        assert guard.proc("site x: SuperNode") is first and not lines
+        listener.close()
+        clock.t += site_supervisor.PROBE_EVERY_S
+        guard.tick()  # down
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", port))
+        listener.listen()
+        clock.t += site_supervisor.PROBE_EVERY_S
         guard.tick()  # back: restart
     assert guard.proc("site x: SuperNode") is not first and not first.alive()
     assert "is back after being unreachable" in lines[0] and "SuperNode restarted" in lines[1]

@@ -20,9 +20,12 @@ What a restart brings back:
   SuperNode's restarts (it asks the same Runtime API port again until the SuperNode is back);
   should it exit, Flower's own `flower-superexec` takes its place for the rest of the run, said in
   one line.
-- link watch (`sovfl site`): a SuperNode whose SuperLink was unreachable and is back (a restarted
-  coordinator) is restarted too, gracefully (it deactivates itself): flwr 1.41 SuperNodes that stay
-  connected across a SuperLink restart receive the new run's messages but start no ClientApp.
+- link watch (`sovfl site`): a SuperNode whose SuperLink was up, then unreachable, and is back (a
+  restarted coordinator) is restarted too, gracefully (it deactivates itself): flwr 1.41 SuperNodes
+  that stay connected across a SuperLink restart receive the new run's messages but start no
+  ClientApp. A site started before its coordinator is left to connect by the SuperNode's own
+  retries: restarting it while the coordinator registers the sites' keys is refused (exit 305) and
+  would cost the key's hold.
 """
 
 from __future__ import annotations
@@ -68,7 +71,8 @@ class SiteSupervisor:
                  clock: Callable[[], float] = time.monotonic):
         self.sup, self.policy, self.progress, self.clock = sup, policy, progress, clock
         self.watched: dict[str, Watched] = {}
-        self.links: dict[str, tuple[str, bool | None, float]] = {}  # name -> (address, reachable, next probe)
+        # name -> (address, reachable at the last probe, next probe, reachable at any probe so far)
+        self.links: dict[str, tuple[str, bool | None, float, bool]] = {}
 
     def watch(self, name: str, start: Callable[[], Proc], cleanup: Callable[[Proc], None] | None = None,
               hold: Callable[[Proc], float] | None = None) -> Proc:
@@ -116,8 +120,10 @@ class SiteSupervisor:
         return self.watch(name, start_next)
 
     def watch_link(self, name: str, address: str) -> None:
-        """Restart `name` (a SuperNode) when `address` (its SuperLink) comes back after being unreachable."""
-        self.links[name] = (address, None, 0.0)
+        """Restart `name` (a SuperNode) when `address` (its SuperLink) comes back after being unreachable.
+        A SuperLink first seen up after the SuperNode started (a site started before its coordinator)
+        is not "back": the SuperNode never served another one and connects by its own retries."""
+        self.links[name] = (address, None, 0.0, False)
 
     def proc(self, name: str) -> Proc:
         """The current process of `name`."""
@@ -184,13 +190,13 @@ class SiteSupervisor:
         self.progress(f"{w.name} restarted (pid {w.proc.popen.pid})")
 
     def _probe(self, name: str, now: float) -> None:
-        address, reachable, next_probe = self.links[name]
+        address, reachable, next_probe, seen_up = self.links[name]
         if now < next_probe:
             return
         up = _reachable(address)
-        self.links[name] = (address, up, now + PROBE_EVERY_S)
+        self.links[name] = (address, up, now + PROBE_EVERY_S, seen_up or up)
         w = self.watched.get(name)
-        if reachable is False and up and w is not None and not w.given_up and w.proc.alive():
+        if seen_up and reachable is False and up and w is not None and not w.given_up and w.proc.alive():
             self.progress(f"{name}: the SuperLink at {address} is back after being unreachable; restarting the "
                           "SuperNode so that it serves the SuperLink's new runs")
             self.sup.stop(w.proc)  # SIGTERM first: the SuperNode deactivates itself, its key is free at once

@@ -83,6 +83,8 @@ def query(msg: Message, context: Context) -> Message:
     # the trainer's seconds per local step, timed at its start: round 1's figure for round_target_s
     step = {keys.STEP_S_ESTIMATE: float(info["step_s_estimate"])} if info.get("step_s_estimate") else {}
     held = _offer_held(env, msg)
+    if isinstance(info.get("data_snapshot"), dict):  # the site's audit log only (audit_mod.py)
+        env.audit_events.append(("data_snapshot", dict(info["data_snapshot"])))
     return Message(RecordDict({keys.STATUS: status(env.site, True, num_examples=info["num_examples"],
                                                    ranks=info["ranks"], **manifest, **step, **held,
                                                    **announcement(env))}), reply_to=msg)
@@ -153,6 +155,8 @@ def train(msg: Message, context: Context) -> Message:
     if isinstance(res, Message):
         return res
     trained = res[-1]
+    if isinstance(trained.data_snapshot, dict):  # a trainer's first round since it started: audit log only
+        env.audit_events.append(("data_snapshot", {"round": env.config.round, **trained.data_snapshot}))
     dense = float(trained.dense_bytes())
     if trained.source is not None and streams_update(env, msg):
         env.update_source = trained.source  # the protection mod seals it, or the SecAgg mod masks it, from the file
