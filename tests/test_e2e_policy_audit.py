@@ -236,3 +236,9 @@ def test_a_site_sits_out_until_a_third_site_joins_then_takes_part(tmp_path, mark
     assert [f["round"] for f in accepted] == [2] and sorted(accepted[0]["group"]) == ["a", "b", "c"], accepted
     assert [e["fields"]["round"] for e in site_b if e["kind"] == "update_sent"] == [2]
     assert main(["audit", "compare", str(coord_dir), *(str(tmp_path / s) for s in "abc")]) == 0
+    page = tmp_path / "audit.md"
+    assert main(["audit", "export", str(coord_dir), *(str(tmp_path / s) for s in "abc"), "-o", str(page)]) == 0
+    text = page.read_text()
+    for s in "ab":
+        assert f"| {s} | 1 | sat out: {code} |" in text and f"| {s} | 2 | accepted | `sha256:" in text, text
+    assert "| c | 2 | accepted | `sha256:" in text and "| c | 1 |" not in text, text
