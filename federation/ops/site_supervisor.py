@@ -15,7 +15,9 @@ What a restart brings back:
 - SuperNode: the same provisioned key, hence the same node at the SuperLink, which the coordinator
   keeps addressing. A SuperNode killed without deactivating stays "online" at the SuperLink until
   its heartbeat expires (flwr 1.41: 2 x 30 s), and the SuperLink refuses to activate the same key
-  again before that; the first restart of an authenticated SuperNode waits that long.
+  again before that: the node it logged is deactivated with the site's key first, or the restart
+  waits that long. A SuperNode that never activated a node (one that asked before its
+  coordinator registered the sites' keys) waits at most until that long after the site started.
 - SuperExec (the warm ClientApp executor, federation.warm_clientapps): independent of the
   SuperNode's restarts (it asks the same Runtime API port again until the SuperNode is back);
   should it exit, Flower's own `flower-superexec` takes its place for the rest of the run, said in
@@ -70,6 +72,7 @@ class SiteSupervisor:
     def __init__(self, sup: Supervisor, policy: SiteRestarts, progress: Callable[[str], None] = print,
                  clock: Callable[[], float] = time.monotonic):
         self.sup, self.policy, self.progress, self.clock = sup, policy, progress, clock
+        self.started = clock()
         self.watched: dict[str, Watched] = {}
         # name -> (address, reachable at the last probe, next probe, reachable at any probe so far)
         self.links: dict[str, tuple[str, bool | None, float, bool]] = {}
@@ -95,7 +98,9 @@ class SiteSupervisor:
             if bundle is None:
                 return 0.0
             node_id = supernode_release.logged_node_id(dead.log)
-            why = supernode_release.release(superlink, bundle, node_id) if node_id else "no node id in its log"
+            if node_id is None:
+                return self._unlogged_hold(name)
+            why = supernode_release.release(superlink, bundle, node_id)
             if why is None:
                 self.progress(f"{name}: node {node_id} deactivated at the SuperLink with the site's key")
                 return 0.0
@@ -103,6 +108,21 @@ class SiteSupervisor:
                           f"heartbeat to expire ({NODE_HOLD_S:g}s)")
             return float(NODE_HOLD_S)
         return self.watch(name, start, hold=hold)
+
+    def _unlogged_hold(self, name: str) -> float:
+        """The wait before restarting a SuperNode whose log (every life of it in this workdir) names
+        no node: none of them activated one. The SuperLink refuses an unregistered key (a site that
+        asked before its coordinator registered the keys) and a key still active alike, and only an
+        activation by another process (another workdir) could hold it: that process died before
+        this supervisor started, so its hold ends at most NODE_HOLD_S after that."""
+        left = NODE_HOLD_S - (self.clock() - self.started)
+        if left <= 0:
+            self.progress(f"{name}: no node id in its log: it never activated a node, and no other SuperNode of "
+                          f"this key can still hold one ({NODE_HOLD_S:g}s since the site started)")
+            return 0.0
+        self.progress(f"{name}: no node id in its log; waiting {left:.0f}s, until {NODE_HOLD_S:g}s after the site "
+                      "started, for any node of this key activated before it to expire")
+        return left
 
     def watch_superexec(self, site: str, start: Callable[[int], Proc], workers: int) -> Proc:
         """A site's warm SuperExec, `start(workers)`. Should it exit, what restarts in its place is
