@@ -160,9 +160,10 @@ def measure(work: Path, params: int, path: str) -> dict:
 
 def model_message(work: Path, model: dict, streamed: bool) -> None:
     """The round's train message to two sites on the data path, as the driver builds and offloads
-    it (Coordinator.model_message, then _message). `streamed`: the model written into the offer
-    file tensor by tensor (bulk_path.offer_arrays); else the previous path: serialized whole
-    (what a site reached through Flower gets), then offloaded and spilled."""
+    it (Coordinator.model_message, the exchange's message, then the grid's push: bulk_grid.py).
+    `streamed`: the model written into the offer file tensor by tensor (bulk_path.offer_arrays);
+    else the previous path: serialized whole (what a site reached through Flower gets), then
+    offloaded and spilled."""
     import socket
 
     from crypto.pki import CoordinatorBundle
@@ -192,6 +193,8 @@ def model_message(work: Path, model: dict, streamed: bool) -> None:
             for site in ("site0", "site1"):
                 coord.bulk.paths[site] = "direct"
         sent = [coord.messaging.message(node, rd, "train", 30.0, [])[0] for node, rd in zip((1, 2), built)]
+        for m in sent:  # as the grid pushes them (bulk_grid.py): large Arrays offloaded
+            coord.messaging.grid.outgoing(m)
     del built, sent, message
     coord.downlink.forget_stage()
     coord.bulk.stage_over()
