@@ -170,6 +170,7 @@ def model_message(work: Path, model: dict, streamed: bool) -> None:
     from flwr.app import ConfigRecord
 
     from federation.config.schema import ExperimentConfig
+    from federation.coordinator.bulk_grid import BulkGrid
     from federation.coordinator.bulk_server import BulkServer
     from federation.coordinator.driver import Coordinator
     from federation.coordinator.strategy import Site
@@ -194,7 +195,7 @@ def model_message(work: Path, model: dict, streamed: bool) -> None:
                 coord.bulk.paths[site] = "direct"
         sent = [coord.messaging.message(node, rd, "train", 30.0, [])[0] for node, rd in zip((1, 2), built)]
         for m in sent:  # as the grid pushes them (bulk_grid.py): large Arrays offloaded
-            coord.messaging.grid.outgoing(m)
+            BulkGrid(None, coord.bulk, coord.site_name, coord.known_name).outgoing(m)
     del built, sent, message
     coord.downlink.forget_stage()
     coord.bulk.stage_over()

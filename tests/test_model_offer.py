@@ -17,6 +17,7 @@ from flwr.app import ConfigRecord, RecordDict
 
 from crypto.pki import CoordinatorBundle, provision
 from federation.config.schema import ExperimentConfig
+from federation.coordinator.bulk_grid import BulkGrid
 from federation.coordinator.bulk_server import BulkServer
 from federation.coordinator.driver import Coordinator
 from federation.coordinator.strategy import Site
@@ -53,7 +54,7 @@ def _coordinator(tmp_path: Path, pki: Path, initial: dict[str, np.ndarray], dire
 def _sent(coord: Coordinator, node: int, rd: RecordDict):
     """The train message to `node` as the grid pushes it (bulk_grid.py: large Arrays as references)."""
     message, _ = coord.messaging.message(node, rd, "train", 30.0, [])
-    coord.messaging.grid.outgoing(message)
+    BulkGrid(None, coord.bulk, coord.site_name, coord.known_name).outgoing(message)
     return message
 
 
@@ -125,6 +126,7 @@ import numpy as np
 from flwr.app import ConfigRecord
 from crypto.pki import CoordinatorBundle, provision
 from federation.config.schema import ExperimentConfig
+from federation.coordinator.bulk_grid import BulkGrid
 from federation.coordinator.bulk_server import BulkServer
 from federation.coordinator.driver import Coordinator
 from federation.coordinator.strategy import Site
@@ -154,7 +156,7 @@ identity = task_identity(1)  # a Message is made only inside a Flower app's task
 identity.__enter__()
 def sent(rd):  # the train message as the grid pushes it (bulk_grid.py)
     m, _ = coord.messaging.message(1, rd, "train", 30.0, [])
-    coord.messaging.grid.outgoing(m)
+    BulkGrid(None, coord.bulk, coord.site_name, coord.known_name).outgoing(m)
     return m
 
 sent(coord.model_message(1, 30.0)(1))  # imports and pools warm

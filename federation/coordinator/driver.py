@@ -107,7 +107,7 @@ class Coordinator:
         self.bulk = BulkPath(bulk, self.progress, fed.data_path.inline_max_bytes, fed.data_path.streams) if bulk else None
         self.superlink = RetryingGrid(grid, fed.deadlines.superlink_retry_s, self.progress) if grid is not None else None
         names = (lambda n: self.roster.site_name(n)), (lambda n: self.roster.known_name(n))
-        beneath = BulkGrid(self.superlink, self.bulk, *names) if self.bulk is not None else self.superlink
+        beneath = BulkGrid(self.superlink, self.bulk, *names) if self.bulk and self.superlink else self.superlink
         self.messaging = MessageExchange(beneath, self.downlink, *names, self._reject)
         self.roster = Roster(cfg, self.messaging, self.progress, self._admit_base, self.discovery_request)
         self.roster.on_enrol.append(self._enrolled)
