@@ -47,6 +47,7 @@ from federation.protocol.pipeline import Payload
 from federation.site.attestation_mod import attestation_mod
 from federation.site.audit_mod import audit_mod
 from federation.site.bulk_mod import bulk_mod
+from federation.site.carried_update import carry
 from federation.site.codec_mod import codec_mod
 from federation.site.downlink_mod import dense_global, downlink_mod, offer_held
 from federation.protocol.testing_hooks import absent
@@ -154,8 +155,9 @@ def train(msg: Message, context: Context) -> Message:
         return res
     trained = res[-1]
     dense = float(trained.dense_bytes())
-    if trained.source is not None and streams_update(env, msg):
-        env.update_source = trained.source  # the protection mod seals it, or the SecAgg mod masks it, from the file
+    streamed = trained.source is not None and streams_update(env, msg)
+    if streamed:
+        env.opened.append(trained.source)  # closed when the message ends, whatever becomes of the reply
         out = RecordDict({keys.UPDATE: ArrayRecord(), keys.UPDATE_META: ConfigRecord({})})
     elif trained.source is not None:
         try:
@@ -169,7 +171,10 @@ def train(msg: Message, context: Context) -> Message:
     if evaluate_first:  # the evaluation's figures (not its load_s: the train call reports its own)
         metrics.update({k: v for k, v in res[0].metrics.items() if k != "load_s"})
     out[keys.METRICS] = MetricRecord(metrics)
-    return Message(out, reply_to=msg)
+    reply = Message(out, reply_to=msg)
+    if streamed:  # the protection mod seals it, or the SecAgg mod masks it, from the file
+        carry(reply, trained.source, env.opened)
+    return reply
 
 
 def evaluate(msg: Message, context: Context) -> Message:

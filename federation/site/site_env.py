@@ -67,9 +67,8 @@ class SiteEnv:
         self.report_evaluation: Callable[[dict[str, float]], None] | None = None
         self.bulk_places: dict[str, dict[str, tuple[str, int]]] = {}  # record -> array -> (file, offset)
         self.downloads: list = []  # DownloadedBlob: the message's blobs, in /dev/shm files
-        self.update_source = None  # handoff.Reader: the trainer's update, not yet read (train -> protection or secagg)
-        self.outgoing = None  # the update in a file, to upload: SealedFile (protection -> bulk) or MaskedFile
-        #                       (secagg -> bulk); `record_key` names the reply record that references it
+        # the update's files the reply carried (carried_update.py), closed by the bulk mod when the message ends
+        self.opened: list = []
         self.audit_events: list[tuple[str, dict]] = []  # (kind, fields) for the site's audit log (audit_mod.py)
 
     @staticmethod
