@@ -26,7 +26,7 @@ from federation.protocol.bulk import INLINE_MAX, BulkRefused, has_big, offload, 
 from federation.protocol.round_config import RoundConfigError
 from federation.site import link_probe
 from federation.site.bulk_client import STREAMS, BulkClient, BulkUnavailable
-from federation.site.carried_update import UploadFile, carried
+from federation.site.carried import UploadFile, carried, carry
 from federation.site.replies import fail
 from federation.site.site_env import SiteEnv, site_env
 from federation.site.update_stream import download_file
@@ -152,9 +152,9 @@ def bulk_mod(msg: Message, context: Context, call_next) -> Message:
 
 def _download(bulk: SiteBulk, msg: Message) -> int:
     """Download every blob `msg` references into a /dev/shm file, a verified chunk at a time, and
-    put views of the files in place of the references; where each Array lies is kept in
-    `env.bulk_places` (the downlink mod hands that file to the trainer: update_stream.py)."""
-    env, found, paths = bulk.env, refs(msg.content), {}
+    put views of the files in place of the references; the message carries where each Array lies
+    (carried.py: the downlink mod hands that file to the trainer, update_stream.py)."""
+    env, found, paths, places = bulk.env, refs(msg.content), {}, {}
 
     def fetch(ref) -> memoryview:
         dl = download_file(ref.size, lambda fd: bulk.client.download_into(ref, bulk.deadline_s(), fd))
@@ -165,7 +165,8 @@ def _download(bulk: SiteBulk, msg: Message) -> int:
     down = resolve(msg.content, fetch)
     for root, entries in found.items():
         for rkey, akey, ref in entries:
-            env.bulk_places.setdefault(rkey, {})[akey] = (paths[root], ref.offset)
+            places.setdefault(rkey, {})[akey] = (paths[root], ref.offset)
+    carry(msg, places)
     return down
 
 

@@ -16,7 +16,7 @@ from crypto.pki import SiteBundle
 from federation.protocol import message_keys as keys
 from federation.protocol.envelope_layout import as_payload, inner
 from federation.protocol.pipeline import Payload, RoundContext
-from federation.site.carried_update import carry, take
+from federation.site.carried import carry, take
 from federation.site.replies import ok, set_update, update_of
 from federation.site.site_env import site_env
 from federation.site.update_stream import reader_records, seal_to_file

@@ -80,7 +80,7 @@ from federation.protocol.payload_records import to_array
 from federation.protocol.pipeline import Payload
 from federation.protocol.secagg_records import Request, chunk_key, reply_record
 from federation.protocol.update_codec import codec_meta
-from federation.site.carried_update import carry, take
+from federation.site.carried import carry, take
 from federation.site.codec_mod import rounding_seed
 from federation.site.masked_stream import MaskedFile, UpdateValues, mask_to_file, writer_for
 from federation.site.replies import fail, ok, update_of
