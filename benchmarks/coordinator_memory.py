@@ -4,8 +4,8 @@ a federation (target: coordinator_peak_ratio <= 1.5).
 Sealed round: two sites' updates of P float32 parameters are sealed with really provisioned keys
 and written as the data path stores an upload (the .npy bytes of the envelope body,
 WORKDIR/bulk-like files). Then, in a fresh process per measurement, the coordinator builds the
-round's train message to two sites on the data path (Coordinator.model_message and _message: the
-model written into the offer file tensor by tensor), and its code takes the updates as a reply
+round's train message to two sites on the data path (Coordinator.model_message, then the grid's
+push, bulk_grid.py: the model written into the offer file tensor by tensor), and its code takes the updates as a reply
 resolved from the data path does (a read-only map of the file: bulk_server.take, bulk.resolve),
 and runs PlainRound.receive_update for each, PlainRound.finish and ServerOptimizer.step (FedAvg,
 delta, consume, in place) on a P-parameter global model: what the ServerApp's driver calls. The
