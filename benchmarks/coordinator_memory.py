@@ -4,8 +4,8 @@ a federation (target: coordinator_peak_ratio <= 1.5).
 Sealed round: two sites' updates of P float32 parameters are sealed with really provisioned keys
 and written as the data path stores an upload (the .npy bytes of the envelope body,
 WORKDIR/bulk-like files). Then, in a fresh process per measurement, the coordinator builds the
-round's train message to two sites on the data path (Coordinator.model_message and _message: the
-model written into the offer file tensor by tensor), and its code takes the updates as a reply
+round's train message to two sites on the data path (Coordinator.model_message, then the grid's
+push, bulk_grid.py: the model written into the offer file tensor by tensor), and its code takes the updates as a reply
 resolved from the data path does (a read-only map of the file: bulk_server.take, bulk.resolve),
 and runs PlainRound.receive_update for each, PlainRound.finish and ServerOptimizer.step (FedAvg,
 delta, consume, in place) on a P-parameter global model: what the ServerApp's driver calls. The
@@ -160,15 +160,17 @@ def measure(work: Path, params: int, path: str) -> dict:
 
 def model_message(work: Path, model: dict, streamed: bool) -> None:
     """The round's train message to two sites on the data path, as the driver builds and offloads
-    it (Coordinator.model_message, then _message). `streamed`: the model written into the offer
-    file tensor by tensor (bulk_path.offer_arrays); else the previous path: serialized whole
-    (what a site reached through Flower gets), then offloaded and spilled."""
+    it (Coordinator.model_message, the exchange's message, then the grid's push: bulk_grid.py).
+    `streamed`: the model written into the offer file tensor by tensor (bulk_path.offer_arrays);
+    else the previous path: serialized whole (what a site reached through Flower gets), then
+    offloaded and spilled."""
     import socket
 
     from crypto.pki import CoordinatorBundle
     from flwr.app import ConfigRecord
 
     from federation.config.schema import ExperimentConfig
+    from federation.coordinator.bulk_grid import BulkGrid
     from federation.coordinator.bulk_server import BulkServer
     from federation.coordinator.driver import Coordinator
     from federation.coordinator.strategy import Site
@@ -192,6 +194,8 @@ def model_message(work: Path, model: dict, streamed: bool) -> None:
             for site in ("site0", "site1"):
                 coord.bulk.paths[site] = "direct"
         sent = [coord.messaging.message(node, rd, "train", 30.0, [])[0] for node, rd in zip((1, 2), built)]
+        for m in sent:  # as the grid pushes them (bulk_grid.py): large Arrays offloaded
+            BulkGrid(None, coord.bulk, coord.site_name, coord.known_name).outgoing(m)
     del built, sent, message
     coord.downlink.forget_stage()
     coord.bulk.stage_over()

@@ -102,7 +102,8 @@ def planned_steps(cfg: TrainerConfig) -> int:
 class FederatedCallback(TrainerCallback):
     """Runs the site's rounds inside `trainer.train()` (see the module docstring). Every rank."""
 
-    def __init__(self, trainer: Trainer, *, config: TrainerConfig | None = None, exchanged=None):
+    def __init__(self, trainer: Trainer, *, config: TrainerConfig | None = None, exchanged=None,
+                 data_digest: str | None = None):
         self.trainer = trainer
         self.cfg = config or session_mod.site_config()
         notes = check_args(trainer.args, self.cfg)
@@ -115,7 +116,7 @@ class FederatedCallback(TrainerCallback):
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.session = session_mod.connect(model, exchanged=exchanged, num_examples=self._site_examples(),
-                                           config=self.cfg)
+                                           config=self.cfg, data_digest=data_digest or self._dataset_fingerprint())
         self._rounds = None
         self.round: session_mod.Round | None = None
         self.steps = 0
@@ -123,6 +124,16 @@ class FederatedCallback(TrainerCallback):
         self.stopped = False
         self.rounds_trained = 0
         self._wrap_trainer()
+
+    def _dataset_fingerprint(self) -> str | None:
+        """The site's data for its audit log when the script names none: a Hugging Face `datasets`
+        Dataset's own fingerprint (a hash of its source files and every transform applied), train
+        and eval together; None for other datasets."""
+        parts = [getattr(d, "_fingerprint", None) for d in (self.trainer.train_dataset, self.trainer.eval_dataset)
+                 if d is not None]
+        if not parts or not all(isinstance(p, str) and p for p in parts):
+            return None
+        return "datasets:" + "+".join(parts)
 
     # ---- what the Trainer is made to do --------------------------------------------------------
     def _wrap_trainer(self) -> None:

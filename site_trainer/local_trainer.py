@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.data import default_collate
 
-from site_trainer import host_memory, layout, strategies, workload_loader
+from site_trainer import data_digest, host_memory, layout, strategies, workload_loader
 from site_trainer.config import TrainerConfig
 from site_trainer.pii import transform as pii_transform
 from site_trainer.rank0_build import stream_rank0_build
@@ -113,12 +113,12 @@ class LocalTrainer:
         self.dp = self._privacy() if s.privacy.enabled else None
         # DP-SGD's per-record clipping costs more than a plain step: no estimate rather than a low one
         step_s = self._time_step() if self.dp is None else None
+        snapshot = data_digest.task_snapshot(self.task, self.data) if self.rank == 0 else None  # its audit log's
         self.session = Session(self.model, cfg, exchanged=exchanged, optimizer=self.optimizer, state=self,
                                frozen=frozen, num_examples=len(self.data.train), num_val_examples=n_val,
-                               site_metrics=site_metrics,
-                               device=self.device, describe={"compute": "bf16" if self.dtype else "fp32",
-                                                             "loop": "task",
-                                                             **({"step_s_estimate": step_s} if step_s else {})})
+                               site_metrics=site_metrics, data_snapshot=snapshot, device=self.device,
+                               describe={"compute": "bf16" if self.dtype else "fp32", "loop": "task",
+                                         **({"step_s_estimate": step_s} if step_s else {})})
         self._background_total: torch.Tensor | None = None  # [loss x samples, samples] of background steps
         self._background_last = 0  # the schedule position background steps stop advancing at
         self._answered_steps = self.cfg.site.local_steps  # local_steps of the last train round answered

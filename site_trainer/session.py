@@ -45,6 +45,7 @@ from torch.distributed.tensor import DTensor
 
 from site_trainer import handoff, layout, strategies, transfer, update_files, update_pack
 from site_trainer.command_loop import CommandLoop, _Request, open_global
+from site_trainer.data_digest import snapshot as snapshot_fields
 from site_trainer.command_loop import RequestRejected  # noqa: F401 - re-exported: part of the session's API
 from site_trainer.local_checkpoints import LocalCheckpoints
 from site_trainer.overlap import BackgroundStep, Overlap, background_budget
@@ -222,7 +223,8 @@ class Session:
                  optimizer: torch.optim.Optimizer | None = None, state: StateHook | None = None,
                  frozen: layout.FrozenDigest | None = None, num_examples: int | None = None,
                  num_val_examples: int | None = None, device: torch.device | None = None,
-                 describe: dict | None = None, site_metrics: Mapping[str, float] | None = None):
+                 describe: dict | None = None, site_metrics: Mapping[str, float] | None = None,
+                 data_snapshot: Mapping[str, Any] | None = None):
         if not dist.is_initialized():
             raise SessionError("torch.distributed is not initialized: call session.connect(), which joins the "
                                "site's process group, or dist.init_process_group() first")
@@ -244,6 +246,12 @@ class Session:
         # Figures of the site rather than of a round (the PII scrubber's counts per entity type), added
         # by rank 0 to every train reply as they are: numbers only, never text.
         self.site_metrics = {str(k): float(v) for k, v in (site_metrics or {}).items()}
+        # rank 0: what this site trains on (data_digest.snapshot), for the site's audit log: in the
+        # discovery answer and in the first train answer after the trainer started (a restart may
+        # have read other data)
+        self.data_snapshot = dict(data_snapshot) if data_snapshot is not None else snapshot_fields(
+            None, "", num_examples or 0, num_val_examples or 0)
+        self._snapshot_told = False  # rank 0: a train answer of this process carried it
         self.reply_listeners: list[Callable[[int, dict], None]] = []  # rank 0: (round, a train reply's metrics)
         self.rounds_reported = 0
         self.last_files: list[str | None] = []
@@ -344,6 +352,7 @@ class Session:
             "num_val_examples": int(self.num_val_examples or 0),
             "spec": {n: [d, list(shape)] for n, (d, shape) in self.layout.wire_spec().items()},
             "manifest": self.manifest,
+            "data_snapshot": self.data_snapshot,
             # federation.overlap: background steps taken since the last reply, of how many allowed
             "background_steps": self.overlap.steps, "background_budget": self.overlap.budget,
             **self.describe,
@@ -498,8 +507,9 @@ class Session:
         means.update(load_s=rnd.load_s, pack_s=time.perf_counter() - t1, **self.site_metrics, **rnd.figures)
         means.update(self._idle_figures())
         self.last_files = [] if handle.owned else [handle.path]  # an owned file stays for the next rounds
+        told, self._snapshot_told = self._snapshot_told, True
         req.answer({"ok": True, "update": handle.to_json(), "num_examples": count, "metrics": means,
-                    "rank_digests": digests})
+                    "rank_digests": digests, **({} if told else {"data_snapshot": self.data_snapshot})})
         for listener in self.reply_listeners:  # the site's own trackers: what was just sent, nothing more
             listener(rnd.number, dict(means))
         self._after_reply(rnd)  # the weights just sent, kept after the reply left (not on its path)
@@ -614,7 +624,8 @@ class Session:
 
 def connect(model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
             exchanged: Sequence[str] | None = None, state: StateHook | None = None,
-            num_examples: int | None = None, config: TrainerConfig | None = None) -> Session:
+            num_examples: int | None = None, config: TrainerConfig | None = None,
+            data_digest: str | None = None) -> Session:
     """Collective: join the federation from a torchrun script; every rank calls it with its model.
 
     `model` may be a plain module, DDP-wrapped, or sharded by FSDP2's `fully_shard` (DTensors):
@@ -623,7 +634,10 @@ def connect(model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
     must match the coordinator's model (workload.model). With `optimizer` (and `state`, anything
     with state_dict/load_state_dict) the session's local checkpoints (site.checkpoint_every) keep
     and restore them. `num_examples` is the site's training-set size the coordinator sees at
-    discovery (SecAgg weights); by default the count of the last training report.
+    discovery (SecAgg weights); by default the count of the last training report. `data_digest`
+    names the data this site trains on (e.g. the SHA-256 of its files, see
+    site_trainer/data_digest.py): the site's audit log records it; without it the log says the
+    data is undeclared.
 
     The configuration comes from $SOVFL_TRAINER_CONFIG (set when sovfl starts the script); the
     process group is joined here unless the script did it already.
@@ -636,4 +650,5 @@ def connect(model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
                            f"config says {cfg.site.world_size}; start the script with torchrun "
                            f"--nproc-per-node={cfg.site.ranks}")
     return Session(model, cfg, exchanged=exchanged, optimizer=optimizer, state=state, num_examples=num_examples,
-                   describe={"loop": "script"})
+                   describe={"loop": "script"},
+                   data_snapshot=snapshot_fields(data_digest, "script", num_examples or 0, 0))

@@ -50,6 +50,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -127,8 +128,16 @@ def find_files(patterns: Sequence[str], field_name: str = "data") -> list[Path]:
 
 
 def file_digest(path: Path) -> str:
+    """A file's SHA-256 (read once per process while its size and modification time stay: the
+    token cache's key and the site's data snapshot read the same files at start-up)."""
+    st = path.stat()
+    return _file_digest(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+
+
+@lru_cache(maxsize=4096)
+def _file_digest(path: str, size: int, mtime_ns: int) -> str:
     h = hashlib.sha256()
-    with path.open("rb") as f:
+    with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()

@@ -158,6 +158,14 @@ class Task(ABC):
         raise NotImplementedError(f"{cls.__name__} reads text but does not say where: define the classmethod "
                                   "text_files(options, ctx)")
 
+    def data_digest(self, data: TaskData) -> str | None:
+        """A digest of the examples this site trains and evaluates on, for the site's audit log
+        (its data snapshot; it never leaves the site). Default None: the framework digests what it
+        can read itself, the text files of a task that reads text or `TensorRows` tensors
+        (site_trainer/data_digest.py), and records other data as undeclared. Override for a
+        file-backed dataset, e.g. with the digest of the files or of the table snapshot it reads."""
+        return None
+
     def evaluate(self, model: nn.Module, batch: Batch) -> dict[str, torch.Tensor | float]:
         """Sums over one validation batch; the framework adds them over batches and ranks.
 

@@ -200,3 +200,33 @@ def test_a_site_that_cannot_write_its_update_file_protects_it_in_memory(tmp_path
     assert grid.inline == 0 and all(s["bulk_up_bytes"] > 0 for line in metrics for s in line["sites"].values())
     assert not any(line["rejections"] for line in metrics)
     assert capfd.readouterr().err.count(f"cannot write the {what} update to a file") == 4  # 2 sites x 2 rounds
+
+
+def test_the_trainer_reads_the_model_from_the_file_it_was_downloaded_into(tmp_path, pki):
+    """On the data path the trainer call gets the model in the very file the bulk mod downloaded it
+    into (the message carries where it lies to the downlink mod: site/carried.py), never a copy."""
+    seen: list[bool] = []
+
+    class Recording(FunctionTrainer):
+        def train(self, model, config):
+            seen.append(model.temporary)  # True: a temporary copy of the message's model
+            return super().train(model, config)
+
+    def train(model, cfg):
+        return {k: (0.01 * v).astype(np.float32) for k, v in model.items()}, {"loss": 1.0}
+
+    bundle = CoordinatorBundle.load(pki / "coordinator")
+    port = free_port()
+    server = BulkServer(bundle, tmp_path / "coord", f"127.0.0.1:{port}").start()
+    sites = [InProcessSite(f"s{i}", i + 1, Recording(train, 10, tmp_path / f"s{i}", handoff_update=True),
+                           {"bundle-dir": str(pki / "sites" / f"s{i}"), "data-address": f"127.0.0.1:{port}"}, 1)
+             for i in range(2)]
+    coord = Coordinator(Tapped(sites), _cfg(seal=True), tmp_path / "coord", 1, _initial(), lambda line: None, bundle,
+                        bulk=server)
+    try:
+        with task_identity(1):
+            result = coord.run()
+    finally:
+        server.stop()
+    assert result["aggregated_rounds"] == 2
+    assert seen == [False] * 4  # 2 sites x 2 rounds, each from its downloaded file

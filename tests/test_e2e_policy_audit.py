@@ -30,7 +30,7 @@ from conftest import simulate_ok
 from federation.ops import launcher
 from federation.ops.cli import main
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow(seconds=120)]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow(seconds=240)]
 
 REFUSE = {"b": "policy_secagg_group_too_small", "c": "policy_unknown_peer", "d": "policy_codec",
           "e": "policy_dp_budget",
@@ -91,6 +91,17 @@ def test_sites_refuse_rounds_by_rule_and_the_audit_logs_verify_and_agree(tmp_pat
     sent = [e for e in site_a if e["kind"] == "update_sent"]
     assert [e["fields"]["round"] for e in sent] == [1, 2] and all(e["fields"]["digest"] for e in sent)
     assert any(e["kind"] == "witness" for e in site_a)
+    # its data snapshot: at discovery and in the first round its trainer answered, never on the wire
+    snaps = {s: [e["fields"] for e in (json.loads(x) for x in (run / "sites" / s / "audit.jsonl").read_text()
+                                       .splitlines()) if e["kind"] == "data_snapshot"] for s in ("a", "m")}
+    for s, found in snaps.items():
+        assert [f.get("round") for f in found] == [None, 1], found
+        assert {f["digest"] for f in found} == {found[0]["digest"]} and len(found[0]["digest"]) == 64, found
+        assert found[0]["method"] == "tensors" and found[0]["examples"] > 0 < found[0]["val_examples"], found
+        assert found[0]["digest"] not in (run / "metrics.jsonl").read_text() + (run / "audit.jsonl").read_text()
+    assert snaps["a"][0]["digest"] != snaps["m"][0]["digest"]  # two partitions of the images
+    assert f"| a | discovery | `{snaps['a'][0]['digest']}` | tensors |" in text
+    assert f"| m | round 1 | `{snaps['m'][0]['digest']}` | tensors |" in text
     site_e = [json.loads(x) for x in (run / "sites" / "e" / "audit.jsonl").read_text().splitlines()]
     refused = [e["fields"] for e in site_e if e["kind"] == "round_refused"]
     assert [f["code"] for f in refused] == ["policy_dp_budget"] * 2 and not any(
@@ -129,3 +140,105 @@ def test_a_site_refuses_a_weights_round_by_reply_and_the_others_send_their_weigh
     assert [e["fields"]["code"] for e in site_w if e["kind"] == "round_refused"] == ["policy_weights_update"]
     assert not any(e["kind"] in ("update_sent", "round_accepted") for e in site_w)
     assert main(["audit", "compare", str(run), *(str(run / "sites" / s) for s in policies)]) == 0
+
+
+def test_a_site_sits_out_until_a_third_site_joins_then_takes_part(tmp_path, marker):
+    """Deployed parties (`sovfl coordinator`, `sovfl site`, each with its provisioned bundle) under
+    SecAgg+; every site's policy wants its update summed with at least two others (b says so, a
+    and c keep the default policy). Round 1 has only a and b: b would be summed with one other, so
+    it sits the round out by name, which leaves a with none: a sits out too, and the round is
+    skipped. c's site starts while the coordinator holds
+    after round 1; round 2 asks it who it is before its first stage, and a, b and c are aggregated."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    from conftest import ROOT, sovfl_popen, write_config
+    from faults import output_of, release_stage, stage_hook_env, supernode_starts, wait_for_stage, wait_gone
+    from federation.ops.launcher import free_port
+
+    env = {**os.environ, "SOVFL_RUN_MARKER": marker, "FLWR_TELEMETRY_ENABLED": "0"}
+    path = write_config(tmp_path / "late.yaml", {
+        "federation": {"name": "policy-late", "rounds": 2, "quorum": 2, "update_kind": "delta", "evaluate": False,
+                       "deadlines": {"connect_s": 60, "round_s": 60, "secagg_stage_s": 30, "trainer_start_s": 150},
+                       "secagg": {"enabled": True, "threshold": 2, "neighbours": 2, "clip": 1.0, "bits": 32}},
+        "workload": {"task": "digits", "options": {"hidden": 8}},
+        "sites": [{"id": s, "ranks": 1, "partition": i, "local_steps": 2, "batch_size": 16, "lr": 0.1,
+                   "policy": {"min_secagg_others": 2} if s == "b" else {}} for i, s in enumerate("abc")],
+    })
+    pki, port, coord_dir, hook = tmp_path / "pki", free_port(), tmp_path / "coord", tmp_path / "stages.jsonl"
+    prov = subprocess.run([sys.executable, "-m", "federation.ops.cli", "provision", str(pki), "--site", "a",
+                           "--site", "b", "--site", "c"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=60)
+    assert prov.returncode == 0, prov.stderr
+
+    sockets = Path(tempfile.mkdtemp(prefix="sovfl-late-"))  # a unix socket's path is short
+
+    def site(name: str) -> subprocess.Popen:
+        return sovfl_popen("site", str(path), "--site", name, "--superlink", f"127.0.0.1:{port}", "--workdir",
+                           str(tmp_path / name), "--bundle", str(pki / "sites" / name), "--socket",
+                           str(sockets / f"{name}.sock"), env=env)
+
+    def wait_ready(name: str, proc: subprocess.Popen) -> None:  # its trainer serves: its SuperNode comes next
+        end = time.monotonic() + 300
+        while not (sockets / f"{name}.sock.ready").exists():
+            assert time.monotonic() < end and proc.poll() is None, output_of(proc)
+            time.sleep(0.2)
+
+    # the coordinator first: a SuperNode that asks before the coordinator registered the sites' keys
+    # is refused, and its restart waits out the key's hold (federation/ops/site_supervisor.py)
+    coord = sovfl_popen("coordinator", str(path), "--host", "127.0.0.1", "--port", str(port), "--workdir",
+                        str(coord_dir), "--bundle", str(pki / "coordinator"),
+                        env={**env, **stage_hook_env(hook, "1:checkpoint")})
+    procs = [coord]
+    try:
+        line = coord.stdout.readline()
+        while line and "waiting for 3 site(s)" not in line:
+            line = coord.stdout.readline()
+        procs += [site("a"), site("b")]
+        try:
+            wait_for_stage(hook, 1, "checkpoint", lambda: coord.poll() is None)
+        except AssertionError as err:
+            for p in procs[1:]:
+                p.terminate()
+            raise AssertionError(f"{err}\n{output_of(coord)}\n" + "\n".join(output_of(p) for p in procs[1:])) from None
+        procs.append(site("c"))
+        wait_ready("c", procs[-1])
+        end = time.monotonic() + 120
+        while supernode_starts(tmp_path / "c", "c") < 1:
+            assert time.monotonic() < end and procs[-1].poll() is None, output_of(procs[-1])
+            time.sleep(0.2)
+        release_stage(hook)
+        out, _ = coord.communicate(timeout=400)
+        assert coord.returncode == 0 and "finished: ok" in out, out
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        shutil.rmtree(sockets, ignore_errors=True)
+    assert wait_gone(marker) == []
+    lines = [json.loads(x) for x in (coord_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x["status"] for x in lines] == ["skipped", "aggregated"], out
+    code = "policy_secagg_group_too_small"
+    assert lines[0]["policy_refused"] == {"a": code, "b": code}, lines[0]
+    assert "1 other site(s)" in lines[0]["failed"]["b"] and "at least 2" in lines[0]["failed"]["b"], lines[0]
+    assert sorted(lines[1]["sites"]) == ["a", "b", "c"] and not lines[1].get("policy_refused"), lines[1]
+    assert "round 1: site b sits out: its announced policy refuses the round: " + code in out, out
+    site_b = [json.loads(x) for x in (tmp_path / "b" / "audit.jsonl").read_text().splitlines()]
+    accepted = [e["fields"] for e in site_b if e["kind"] == "round_accepted"]
+    assert [f["round"] for f in accepted] == [2] and sorted(accepted[0]["group"]) == ["a", "b", "c"], accepted
+    assert [e["fields"]["round"] for e in site_b if e["kind"] == "update_sent"] == [2]
+    assert main(["audit", "compare", str(coord_dir), *(str(tmp_path / s) for s in "abc")]) == 0
+    page = tmp_path / "audit.md"
+    assert main(["audit", "export", str(coord_dir), *(str(tmp_path / s) for s in "abc"), "-o", str(page)]) == 0
+    text = page.read_text()
+    for s in "ab":
+        assert f"| {s} | 1 | sat out: {code} |" in text and f"| {s} | 2 | accepted | `sha256:" in text, text
+    assert "| c | 2 | accepted | `sha256:" in text and "| c | 1 |" not in text, text

@@ -17,6 +17,7 @@ from flwr.app import ConfigRecord, RecordDict
 
 from crypto.pki import CoordinatorBundle, provision
 from federation.config.schema import ExperimentConfig
+from federation.coordinator.bulk_grid import BulkGrid
 from federation.coordinator.bulk_server import BulkServer
 from federation.coordinator.driver import Coordinator
 from federation.coordinator.strategy import Site
@@ -50,6 +51,13 @@ def _coordinator(tmp_path: Path, pki: Path, initial: dict[str, np.ndarray], dire
     return coord
 
 
+def _sent(coord: Coordinator, node: int, rd: RecordDict):
+    """The train message to `node` as the grid pushes it (bulk_grid.py: large Arrays as references)."""
+    message, _ = coord.messaging.message(node, rd, "train", 30.0, [])
+    BulkGrid(None, coord.bulk, coord.site_name, coord.known_name).outgoing(message)
+    return message
+
+
 def _initial() -> dict[str, np.ndarray]:
     rng = np.random.default_rng(1)
     return {"emb": rng.standard_normal((700, 600)).astype(np.float32),  # over the inline limit
@@ -62,7 +70,7 @@ def _initial() -> dict[str, np.ndarray]:
 def test_the_message_is_the_one_serializing_the_model_whole_makes(tmp_path, pki, direct):
     coord = _coordinator(tmp_path, pki, _initial(), {"s0"} if direct else set())
     with task_identity(1):  # a Message is made only inside a Flower app's task
-        sent, _ = coord.messaging.message(1, coord.model_message(1, 30.0)(1), "train", 30.0, [])
+        sent = _sent(coord, 1, coord.model_message(1, 30.0)(1))
     # what the previous path sent: the whole serialized model, its large Arrays offloaded to one blob
     whole = to_records(coord.downlink.payload(1)[1], keys.GLOBAL, keys.DOWNLINK)
     expected = offload(RecordDict({keys.GLOBAL: whole.array_records[keys.GLOBAL]}))[1] if direct else whole
@@ -92,9 +100,9 @@ def test_sites_on_both_paths_in_one_stage(tmp_path, pki):
     coord = _coordinator(tmp_path, pki, _initial(), {"s0"})
     message = coord.model_message(1, 30.0)
     with task_identity(1):
-        to_s0 = coord.messaging.message(1, message(1), "train", 30.0, [])[0].content
-        again = coord.messaging.message(1, message(1), "train", 30.0, [])[0].content
-        to_s1 = coord.messaging.message(2, message(2), "train", 30.0, [])[0].content
+        to_s0 = _sent(coord, 1, message(1)).content
+        again = _sent(coord, 1, message(1)).content
+        to_s1 = _sent(coord, 2, message(2)).content
     assert all(a.stype == REF_STYPE for k, a in to_s0.array_records[keys.GLOBAL].items() if k != "b")
     assert all(a.stype == "numpy.ndarray" for a in to_s1.array_records[keys.GLOBAL].values())
     assert refs(to_s0).keys() == refs(again).keys() and len(coord.bulk.server.offered) == 1
@@ -118,6 +126,7 @@ import numpy as np
 from flwr.app import ConfigRecord
 from crypto.pki import CoordinatorBundle, provision
 from federation.config.schema import ExperimentConfig
+from federation.coordinator.bulk_grid import BulkGrid
 from federation.coordinator.bulk_server import BulkServer
 from federation.coordinator.driver import Coordinator
 from federation.coordinator.strategy import Site
@@ -145,13 +154,18 @@ coord.sites[1] = Site(1, "s0", 10)
 coord.bulk.heard("s0", ConfigRecord({"data_path": "direct"}))
 identity = task_identity(1)  # a Message is made only inside a Flower app's task (kept: its exit restores)
 identity.__enter__()
-coord.messaging.message(1, coord.model_message(1, 30.0)(1), "train", 30.0, [])  # imports and pools warm
+def sent(rd):  # the train message as the grid pushes it (bulk_grid.py)
+    m, _ = coord.messaging.message(1, rd, "train", 30.0, [])
+    BulkGrid(None, coord.bulk, coord.site_name, coord.known_name).outgoing(m)
+    return m
+
+sent(coord.model_message(1, 30.0)(1))  # imports and pools warm
 coord.bulk.stage_over(); coord.downlink.forget_stage()
 shapes = [(2048, 4096)] * 3 + [(1024, 1024)] * 6 + [(4096,)] * 4  # ~31M parameters
 model = {f"t{i}": rng.standard_normal(s, dtype=np.float32) for i, s in enumerate(shapes)}
 coord.model = model
 base = vm("VmRSS")
-m, _ = coord.messaging.message(1, coord.model_message(1, 30.0)(1), "train", 30.0, [])
+m = sent(coord.model_message(1, 30.0)(1))
 coord.downlink.forget_stage()
 peak = vm("VmHWM")
 print(json.dumps({"model": sum(a.nbytes for a in model.values()), "above": peak - base,

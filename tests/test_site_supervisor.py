@@ -96,6 +96,21 @@ def test_supernode_without_a_node_to_release_waits_for_the_key_hold(sup, tmp_pat
     assert "restarting in 1s" in lines[-1]
 
 
+def test_supernode_that_never_activated_waits_only_what_is_left_of_a_hold_since_the_site_started(sup, tmp_path):
+    """No node id in the log: a node of this key can only have been activated by a process that died
+    before this site started, so the wait ends NODE_HOLD_S after the start, and at once after that."""
+    clock, lines = Clock(), []
+    guard = SiteSupervisor(sup, SiteRestarts(backoff_s=1), lines.append, clock)
+    clock.t += site_supervisor.NODE_HOLD_S - 20  # the trainer took that long; then its SuperNode was refused
+    _wait_dead(guard.watch_supernode("x", lambda: sup.start("crash", CRASH), "127.0.0.1:1", tmp_path))
+    guard.tick()
+    assert "no node id in its log; waiting 20s" in lines[-2] and "restarting in 20s" in lines[-1]
+    clock.t += 30
+    _wait_dead(guard.watch_supernode("y", lambda: sup.start("crash2", CRASH), "127.0.0.1:1", tmp_path))
+    guard.tick()
+    assert "it never activated a node" in lines[-2] and "restarting in 1s" in lines[-1]
+
+
 def test_trainer_cleanup_kills_ranks_a_dead_torchrun_left_and_clears_the_socket(sup, tmp_path):
     cfg = tmp_path / "sites" / "x" / "trainer.json"
     sock = str(tmp_path / "x.sock")
@@ -121,6 +136,16 @@ def test_link_watch_restarts_a_live_supernode_when_its_superlink_comes_back(sup)
         port = listener.getsockname()[1]
         guard.watch_link("site x: SuperNode", f"127.0.0.1:{port}")
         guard.tick()  # down (not listening yet): nothing to do
+        listener.listen()
+        clock.t += site_supervisor.PROBE_EVERY_S
+        guard.tick()  # up for the first time (the site started before its coordinator): nothing to do
+        assert guard.proc("site x: SuperNode") is first and not lines
+        listener.close()
+        clock.t += site_supervisor.PROBE_EVERY_S
+        guard.tick()  # down
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", port))
         listener.listen()
         clock.t += site_supervisor.PROBE_EVERY_S
         guard.tick()  # back: restart

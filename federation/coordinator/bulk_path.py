@@ -28,7 +28,6 @@ from federation.protocol.bulk import (
     REF_STYPE,
     Blob,
     BlobWriter,
-    BulkRefused,
     Ref,
     big_records,
     has_big,
@@ -40,14 +39,6 @@ from federation.protocol.payload_records import npy_parts
 
 log = logging.getLogger("sovfl.bulk")
 _written = itertools.count()
-
-
-def ref_bytes(rd: RecordDict) -> int:
-    """Bytes the references of `rd` stand for (what the data path moves for this message)."""
-    try:
-        return sum(r.length for entries in refs(rd).values() for _, _, r in entries)
-    except BulkRefused:
-        return 0
 
 
 class BulkPath:

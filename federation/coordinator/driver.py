@@ -4,10 +4,10 @@ Each round: sample the sites (roster.sample), ask nodes that connected late (ros
 round hooks prepare and filter it (round_hooks.py: the data path's window, attested admission, the
 link probe, the round planner, the evaluation announcer), run the round strategy (plain_round.py or
 secagg_round.py) through the exchange (exchange.py: push, pull until each stage's deadline, reply
-checks), apply the server optimizer to the mean update if the quorum holds (otherwise the round is
-skipped and the global model is left unchanged), checkpoint the run's state (run_state.py,
-resume.py) and write one JSON line of metrics. The run ends with one evaluate message per site
-(the final model).
+checks; beneath it the data path, bulk_grid.py, over the SuperLink's retries, retry_grid.py), apply
+the server optimizer to the mean update if the quorum holds (otherwise the round is skipped and the
+global model is left unchanged), checkpoint the run's state (run_state.py, resume.py) and write one
+JSON line of metrics. The run ends with one evaluate message per site (the final model).
 
 Messages per site and round: one train message, plus one unmask query under secure aggregation.
 What the next round needs (attestation evidence, SecAgg setup) rides on them; a site the round
@@ -31,6 +31,7 @@ from crypto.pki import CoordinatorBundle
 from federation.config.schema import ExperimentConfig
 from federation.coordinator.admission import Admission, AdmissionOutcome
 from federation.coordinator.aggregate import ServerOptimizer
+from federation.coordinator.bulk_grid import BulkGrid
 from federation.coordinator.bulk_path import BulkPath
 from federation.coordinator.bulk_server import BulkServer
 from federation.coordinator.downlink_sender import DownlinkSender
@@ -103,12 +104,11 @@ class Coordinator:
 
             self.protocol = self.secagg = SecAggRound(fed, bundle, self.replay, spill_dir=self.workdir / "spill")
         self.evaluation = Evaluation(fed.deadlines.evaluate_s)
-        self.bulk = (BulkPath(bulk, self.progress, fed.data_path.inline_max_bytes, fed.data_path.streams)
-                     if bulk is not None else None)  # the data path beside Flower
-        # every call to the SuperLink is retried on its transient errors (retry_grid.py)
-        retrying = RetryingGrid(grid, fed.deadlines.superlink_retry_s, self.progress) if grid is not None else None
-        self.messaging = MessageExchange(retrying, self.downlink, lambda n: self.roster.site_name(n),
-                                         lambda n: self.roster.known_name(n), self._reject, self.bulk)
+        self.bulk = BulkPath(bulk, self.progress, fed.data_path.inline_max_bytes, fed.data_path.streams) if bulk else None
+        self.superlink = RetryingGrid(grid, fed.deadlines.superlink_retry_s, self.progress) if grid is not None else None
+        names = (lambda n: self.roster.site_name(n)), (lambda n: self.roster.known_name(n))
+        beneath = BulkGrid(self.superlink, self.bulk, *names) if self.bulk and self.superlink else self.superlink
+        self.messaging = MessageExchange(beneath, self.downlink, *names, self._reject)
         self.roster = Roster(cfg, self.messaging, self.progress, self._admit_base, self.discovery_request)
         self.roster.on_enrol.append(self._enrolled)
         self.site_name, self.known_name, self.node_of = self.roster.site_name, self.roster.known_name, self.roster.node_of
@@ -167,8 +167,8 @@ class Coordinator:
     def _part_metrics(self, rnd: int, line: dict) -> None:
         for hook in self.hooks:
             hook.metrics(rnd, line)
-        if isinstance(self.grid, RetryingGrid) and self.grid.retries:
-            line["superlink_retries"] = dict(self.grid.retries)
+        if self.superlink is not None and self.superlink.retries:
+            line["superlink_retries"] = dict(self.superlink.retries)
 
     def round_horizon_s(self) -> float:
         """The latest an update of this round can arrive, every stage at its deadline."""

@@ -6,6 +6,12 @@ each site that crashed, erred or missed it and counting the bytes; `run` drives 
 stages through it. Riders may address sites the stage does not: those side queries go out with
 the stage but are not waited for; `await_side_queries` (before the next round: wait for the queries to its
 sites) and `drop_side_queries` (give up on the rest) end them.
+
+What lies beneath the exchange is the grid's: the SuperLink's retries (retry_grid.py) and the data
+path, which moves a message's large Arrays beside it and puts a reply's back before the exchange
+reads it. A reply the grid refuses comes back marked (refused_reply.py) and fails its site. A grid
+that holds things for a stage is told when they can go: `stage_over` once the stage's messages are
+answered or expired, `replies_folded` once its replies are aggregated (`tell_grid`).
 """
 
 from __future__ import annotations
@@ -19,16 +25,15 @@ from typing import Any, TypeVar
 
 from flwr.app import ConfigRecord, Message, RecordDict
 
-from federation.coordinator.bulk_path import BulkPath, ref_bytes
 from federation.coordinator.downlink_sender import DownlinkSender
 from federation.coordinator.polling import PollSchedule
+from federation.coordinator.refused_reply import refusal
 from federation.coordinator.reply_folds import Folds
 from federation.coordinator.strategy import Exchange, ExchangeResult, Reply, Rider, Strategy
 from federation.protocol import message_cost
 from federation.protocol import message_keys as keys
 from federation.protocol import testing_hooks
-from federation.protocol.bulk import BulkRefused
-from federation.protocol.payload_records import record_bytes
+from federation.protocol.payload_records import record_bytes, sent_bytes
 
 O = TypeVar("O")
 
@@ -62,9 +67,8 @@ class MessageExchange:
     that name, None before discovery; `reject(reason)` counts a refused reply run-wide."""
 
     def __init__(self, grid: Any, downlink: DownlinkSender, site_name: Callable[[int], str],
-                 known_name: Callable[[int], str | None], reject: Callable[[str], None],
-                 bulk: BulkPath | None = None):
-        self.grid, self.downlink, self.bulk = grid, downlink, bulk
+                 known_name: Callable[[int], str | None], reject: Callable[[str], None]):
+        self.grid, self.downlink = grid, downlink
         self.site_name, self.known_name, self.reject = site_name, known_name, reject
         self.riders: list[Rider] = []  # riding on every message sent now
         # rider-only messages in flight: id -> (node, riders, the monotonic time its deadline passes)
@@ -82,8 +86,6 @@ class MessageExchange:
                 rd[key] = rec
             if recs or getattr(rider, "sees_every_reply", False):
                 seen.append(rider)
-        if self.bulk is not None:
-            rd = self.bulk.outgoing(self.known_name(node), rd)
         self.messages[node] += 1
         return Message(rd, dst_node_id=node, message_type=message_type,
                        ttl=deadline_s + message_cost.TTL_MARGIN_S), seen
@@ -104,12 +106,12 @@ class MessageExchange:
         side = [n for n in dict.fromkeys(n for r in riders for n in r.wanted()) if n not in set(ex.nodes)]
         built += [self.message(n, RecordDict({keys.CONFIG: ConfigRecord({})}), "query", ex.deadline_s, riders)
                   for n in side]
-        for m, _ in built:
-            result.bytes_down += record_bytes(m.content) + ref_bytes(m.content)
         names = {m.metadata.dst_node_id: self.site_name(m.metadata.dst_node_id) for m, _ in built}
         pending: dict[str, tuple[int, list[Rider]]] = {}
         pushed = time.time()  # wall clock (the sites stamp replies on theirs): a site may start before the push ends
         ids = list(self.grid.push_messages([m for m, _ in built])) if built else []
+        for m, _ in built:  # as pushed: the grid beneath may have moved large Arrays beside the message
+            result.bytes_down += sent_bytes(m.content)
         for i, (mid, (m, seen)) in enumerate(zip(ids, built)):
             node = m.metadata.dst_node_id
             if not mid:
@@ -142,7 +144,10 @@ class MessageExchange:
                         result.by_node[node] = time.monotonic() - t0
                         if reply.has_content():
                             result.msg_cost[names[node]] = message_cost.split(reply.content, pushed, time.time())
-                        if not self._bulk_in(result, names[node], reply):
+                        refused = refusal(reply)
+                        if refused is not None:  # the grid beneath could not hand it on as the site sent it
+                            result.failed[names[node]] = f"{refused.reason}: {refused.detail}"
+                            self.reject(refused.reason)
                             for rider in seen:
                                 rider.take(node, None)
                             continue
@@ -168,8 +173,7 @@ class MessageExchange:
         if folds is not None:
             folds.close()  # every fold done before the stage's aggregate (a fold's error is raised here)
         self.pull_side_replies()
-        if self.bulk is not None:
-            self.bulk.stage_over()
+        self.tell_grid("stage_over")
         for node, seen in pending.values():
             result.failed[names[node]] = f"deadline: no reply within {ex.deadline_s:.0f}s (crashed, hung or disconnected)"
             for rider in seen:
@@ -178,18 +182,12 @@ class MessageExchange:
         result.wait_s = max(0.0, result.seconds - result.push_s - result.receive_s)
         return result
 
-    def _bulk_in(self, result: ExchangeResult, name: str, reply: Message) -> bool:
-        """Resolve the data-path references of a reply (bulk_path.py); False, with the site's failure
-        recorded and counted, if they are refused."""
-        if self.bulk is None:
-            return True
-        try:
-            self.bulk.incoming(name, reply)
-            return True
-        except BulkRefused as err:
-            result.failed[name] = f"{err.reason}: {err.detail}"
-            self.reject(err.reason)
-            return False
+    def tell_grid(self, event: str) -> None:
+        """Call the grid's `event` (`stage_over`, `replies_folded`) if it has one: a grid layer that
+        holds things for a stage lets them go then; Flower's own Grid has neither."""
+        hook = getattr(self.grid, event, None)
+        if hook is not None:
+            hook()
 
     def _check_reply(self, result: ExchangeResult, name: str, node: int, reply: Message) -> Reply | None:
         """A good reply, or None with the site's failure recorded in `result`."""
@@ -275,8 +273,7 @@ class MessageExchange:
                 before_aggregate()
                 t0 = time.monotonic()
                 step.aggregate(state, result)
-                if self.bulk is not None:  # the stage's uploads are folded in: their files go
-                    self.bulk.server.release_all()
+                self.tell_grid("replies_folded")
                 traffic.stages.append(stage_timing(ex.stage, result, time.monotonic() - t0))
                 after_stage()
             testing_hooks.stage_entered("aggregate", state)

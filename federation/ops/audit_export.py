@@ -2,7 +2,7 @@
 audit logs of the coordinator and the sites (crypto/audit): the parties and their keys, the run's
 settings, each round's group, what was aggregated and refused and why (a site that sat a round out
 for its announced policy, from the coordinator's log), each site's privacy budget,
-and the digests of every update sent and received. Only logs that verify are read; the page says
+the digests of every update sent and received, and of each site's data snapshot. Only logs that verify are read; the page says
 which checks passed (`verify` of every log, `compare` of every site's with the coordinator's).
 """
 
@@ -80,4 +80,22 @@ def export_markdown(coordinator: Verdict, sites: list[Verdict]) -> str:
         for (name, rnd), row in sorted(rows.items()):
             out.append(f"| {name} | {rnd} | {row.get('decision', '')} | `{row.get('digest', '')}` | "
                        f"{row.get('epsilon', '')} |\n")
+        out.append(_data_section(by_site, run))
+    return "".join(out)
+
+
+def _data_section(by_site: dict[str, Verdict], run) -> str:
+    """Each site's data snapshot as its trainer read it: at discovery, and at the first round a
+    (re)started trainer answered; the digest never left the site."""
+    out = ["\n### What each site trained on\n\n| site | when | data digest | taken from | examples (train / val) |\n"
+           "|---|---|---|---|---|\n"]
+    for name, log in sorted(by_site.items()):
+        for e in _kinds(log, "data_snapshot"):
+            g = e["fields"]
+            if g.get("run") != run:
+                continue
+            when = f"round {g['round']}" if "round" in g else "discovery"
+            digest = f"`{g['digest']}`" if g.get("digest") else f"none: {_cell(g.get('why', ''))}"
+            out.append(f"| {name} | {when} | {digest} | {_cell(g.get('method', ''))} | "
+                       f"{g.get('examples', '')} / {g.get('val_examples', '')} |\n")
     return "".join(out)

@@ -15,14 +15,19 @@ What a restart brings back:
 - SuperNode: the same provisioned key, hence the same node at the SuperLink, which the coordinator
   keeps addressing. A SuperNode killed without deactivating stays "online" at the SuperLink until
   its heartbeat expires (flwr 1.41: 2 x 30 s), and the SuperLink refuses to activate the same key
-  again before that; the first restart of an authenticated SuperNode waits that long.
+  again before that: the node it logged is deactivated with the site's key first, or the restart
+  waits that long. A SuperNode that never activated a node (one that asked before its
+  coordinator registered the sites' keys) waits at most until that long after the site started.
 - SuperExec (the warm ClientApp executor, federation.warm_clientapps): independent of the
   SuperNode's restarts (it asks the same Runtime API port again until the SuperNode is back);
   should it exit, Flower's own `flower-superexec` takes its place for the rest of the run, said in
   one line.
-- link watch (`sovfl site`): a SuperNode whose SuperLink was unreachable and is back (a restarted
-  coordinator) is restarted too, gracefully (it deactivates itself): flwr 1.41 SuperNodes that stay
-  connected across a SuperLink restart receive the new run's messages but start no ClientApp.
+- link watch (`sovfl site`): a SuperNode whose SuperLink was up, then unreachable, and is back (a
+  restarted coordinator) is restarted too, gracefully (it deactivates itself): flwr 1.41 SuperNodes
+  that stay connected across a SuperLink restart receive the new run's messages but start no
+  ClientApp. A site started before its coordinator is left to connect by the SuperNode's own
+  retries: restarting it while the coordinator registers the sites' keys is refused (exit 305) and
+  would cost the key's hold.
 """
 
 from __future__ import annotations
@@ -67,8 +72,10 @@ class SiteSupervisor:
     def __init__(self, sup: Supervisor, policy: SiteRestarts, progress: Callable[[str], None] = print,
                  clock: Callable[[], float] = time.monotonic):
         self.sup, self.policy, self.progress, self.clock = sup, policy, progress, clock
+        self.started = clock()
         self.watched: dict[str, Watched] = {}
-        self.links: dict[str, tuple[str, bool | None, float]] = {}  # name -> (address, reachable, next probe)
+        # name -> (address, reachable at the last probe, next probe, reachable at any probe so far)
+        self.links: dict[str, tuple[str, bool | None, float, bool]] = {}
 
     def watch(self, name: str, start: Callable[[], Proc], cleanup: Callable[[Proc], None] | None = None,
               hold: Callable[[Proc], float] | None = None) -> Proc:
@@ -91,7 +98,9 @@ class SiteSupervisor:
             if bundle is None:
                 return 0.0
             node_id = supernode_release.logged_node_id(dead.log)
-            why = supernode_release.release(superlink, bundle, node_id) if node_id else "no node id in its log"
+            if node_id is None:
+                return self._unlogged_hold(name)
+            why = supernode_release.release(superlink, bundle, node_id)
             if why is None:
                 self.progress(f"{name}: node {node_id} deactivated at the SuperLink with the site's key")
                 return 0.0
@@ -99,6 +108,21 @@ class SiteSupervisor:
                           f"heartbeat to expire ({NODE_HOLD_S:g}s)")
             return float(NODE_HOLD_S)
         return self.watch(name, start, hold=hold)
+
+    def _unlogged_hold(self, name: str) -> float:
+        """The wait before restarting a SuperNode whose log (every life of it in this workdir) names
+        no node: none of them activated one. The SuperLink refuses an unregistered key (a site that
+        asked before its coordinator registered the keys) and a key still active alike, and only an
+        activation by another process (another workdir) could hold it: that process died before
+        this supervisor started, so its hold ends at most NODE_HOLD_S after that."""
+        left = NODE_HOLD_S - (self.clock() - self.started)
+        if left <= 0:
+            self.progress(f"{name}: no node id in its log: it never activated a node, and no other SuperNode of "
+                          f"this key can still hold one ({NODE_HOLD_S:g}s since the site started)")
+            return 0.0
+        self.progress(f"{name}: no node id in its log; waiting {left:.0f}s, until {NODE_HOLD_S:g}s after the site "
+                      "started, for any node of this key activated before it to expire")
+        return left
 
     def watch_superexec(self, site: str, start: Callable[[int], Proc], workers: int) -> Proc:
         """A site's warm SuperExec, `start(workers)`. Should it exit, what restarts in its place is
@@ -116,8 +140,10 @@ class SiteSupervisor:
         return self.watch(name, start_next)
 
     def watch_link(self, name: str, address: str) -> None:
-        """Restart `name` (a SuperNode) when `address` (its SuperLink) comes back after being unreachable."""
-        self.links[name] = (address, None, 0.0)
+        """Restart `name` (a SuperNode) when `address` (its SuperLink) comes back after being unreachable.
+        A SuperLink first seen up after the SuperNode started (a site started before its coordinator)
+        is not "back": the SuperNode never served another one and connects by its own retries."""
+        self.links[name] = (address, None, 0.0, False)
 
     def proc(self, name: str) -> Proc:
         """The current process of `name`."""
@@ -184,13 +210,13 @@ class SiteSupervisor:
         self.progress(f"{w.name} restarted (pid {w.proc.popen.pid})")
 
     def _probe(self, name: str, now: float) -> None:
-        address, reachable, next_probe = self.links[name]
+        address, reachable, next_probe, seen_up = self.links[name]
         if now < next_probe:
             return
         up = _reachable(address)
-        self.links[name] = (address, up, now + PROBE_EVERY_S)
+        self.links[name] = (address, up, now + PROBE_EVERY_S, seen_up or up)
         w = self.watched.get(name)
-        if reachable is False and up and w is not None and not w.given_up and w.proc.alive():
+        if seen_up and reachable is False and up and w is not None and not w.given_up and w.proc.alive():
             self.progress(f"{name}: the SuperLink at {address} is back after being unreachable; restarting the "
                           "SuperNode so that it serves the SuperLink's new runs")
             self.sup.stop(w.proc)  # SIGTERM first: the SuperNode deactivates itself, its key is free at once

@@ -360,6 +360,15 @@ def refs(rd: RecordDict) -> dict[str, list[tuple[str, str, Ref]]]:
     return found
 
 
+def ref_bytes(rd: RecordDict) -> int:
+    """Bytes the references of `rd` stand for (what the data path moves for this message); 0 when a
+    reference is unreadable (the receiving end refuses it)."""
+    try:
+        return sum(r.length for entries in refs(rd).values() for _, _, r in entries)
+    except BulkRefused:
+        return 0
+
+
 def resolve(rd: RecordDict, fetch: Callable[[Ref], object]) -> int:
     """Put the data of every reference in `rd` back, from `fetch(ref)` (the whole blob the reference
     names, a buffer, fetched once per blob); the bytes resolved."""

@@ -12,6 +12,7 @@ from io import BytesIO
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
+from federation.protocol.bulk import ref_bytes
 from federation.protocol.pipeline import Payload, UpdateRejected
 
 _ALLOWED_KINDS = set("fiub")  # numeric and bool dtypes only; never objects
@@ -127,3 +128,9 @@ def array_bytes(rec: ArrayRecord) -> int:
 def record_bytes(rd: RecordDict) -> int:
     """Bytes of array data in a whole message (what the round's byte counts add up)."""
     return sum(array_bytes(rec) for rec in rd.array_records.values())
+
+
+def sent_bytes(rd: RecordDict) -> int:
+    """Bytes of array data a message moves: `record_bytes`, plus what its references stand for
+    (protocol/bulk.py: Arrays that travel beside the message, on the data path)."""
+    return record_bytes(rd) + ref_bytes(rd)

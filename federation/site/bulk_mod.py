@@ -26,6 +26,7 @@ from federation.protocol.bulk import INLINE_MAX, BulkRefused, has_big, offload, 
 from federation.protocol.round_config import RoundConfigError
 from federation.site import link_probe
 from federation.site.bulk_client import STREAMS, BulkClient, BulkUnavailable
+from federation.site.carried import UploadFile, carried, carry
 from federation.site.replies import fail
 from federation.site.site_env import SiteEnv, site_env
 from federation.site.update_stream import download_file
@@ -135,8 +136,9 @@ def bulk_mod(msg: Message, context: Context, call_next) -> Message:
         figures = {}
         if down:
             figures.update(bulk_down_bytes=float(down), bulk_down_s=down_s)
-        if env.outgoing is not None and env.outgoing.record_key in reply.content.array_records:
-            figures.update(_upload_file(bulk, msg, reply))
+        upload = carried(reply)
+        if isinstance(upload, UploadFile) and upload.record_key in reply.content.array_records:
+            figures.update(_upload_file(bulk, msg, reply, upload))
         if bulk.told and bulk.client is not None and has_big(reply.content, bulk.inline_max):
             figures.update(_upload(bulk, msg, reply))
         if figures and keys.METRICS in reply.content.metric_records:
@@ -150,9 +152,9 @@ def bulk_mod(msg: Message, context: Context, call_next) -> Message:
 
 def _download(bulk: SiteBulk, msg: Message) -> int:
     """Download every blob `msg` references into a /dev/shm file, a verified chunk at a time, and
-    put views of the files in place of the references; where each Array lies is kept in
-    `env.bulk_places` (the downlink mod hands that file to the trainer: update_stream.py)."""
-    env, found, paths = bulk.env, refs(msg.content), {}
+    put views of the files in place of the references; the message carries where each Array lies
+    (carried.py: the downlink mod hands that file to the trainer, update_stream.py)."""
+    env, found, paths, places = bulk.env, refs(msg.content), {}, {}
 
     def fetch(ref) -> memoryview:
         dl = download_file(ref.size, lambda fd: bulk.client.download_into(ref, bulk.deadline_s(), fd))
@@ -163,7 +165,8 @@ def _download(bulk: SiteBulk, msg: Message) -> int:
     down = resolve(msg.content, fetch)
     for root, entries in found.items():
         for rkey, akey, ref in entries:
-            env.bulk_places.setdefault(rkey, {})[akey] = (paths[root], ref.offset)
+            places.setdefault(rkey, {})[akey] = (paths[root], ref.offset)
+    carry(msg, places)
     return down
 
 
@@ -182,32 +185,29 @@ def _release(env: SiteEnv) -> None:
     for dl in env.downloads:
         dl.release()
     env.downloads = []
-    if env.update_source is not None:
-        env.update_source.close()
-        env.update_source = None
-    if env.outgoing is not None:
-        env.outgoing.close()
-        env.outgoing = None
+    for f in env.opened:
+        f.close()
+    env.opened = []
 
 
-def _upload_file(bulk: SiteBulk, msg: Message, reply: Message) -> dict[str, float]:
+def _upload_file(bulk: SiteBulk, msg: Message, reply: Message, update: UploadFile) -> dict[str, float]:
     """Upload the update's file (sealed, or SecAgg's masked chunks; the reply references it
     already); when the data path cannot take it, its bytes go into the reply for Flower to carry,
     and the log says why."""
-    sealed, t0 = bulk.env.outgoing, time.perf_counter()
+    t0 = time.perf_counter()
     why = None
     if not (bulk.told and bulk.client is not None):
         why = "this site is not on the data path"
     else:
         try:
-            bulk.client.upload(sealed.blob, int(msg.metadata.run_id), bulk.env.config.round, bulk.deadline_s() * 0.7)
+            bulk.client.upload(update.blob, int(msg.metadata.run_id), bulk.env.config.round, bulk.deadline_s() * 0.7)
         except (BulkRefused, BulkUnavailable, RoundConfigError) as err:
             why = str(err)
     if why is not None:
         _say(f"site {bulk.env.site}: update NOT sent on the data path ({why}); sending it through Flower")
-        reply.content[sealed.record_key] = sealed.inline_records()
+        reply.content[update.record_key] = update.inline_records()
         return {"bulk_fallback": 1.0}
-    return {"bulk_up_bytes": float(sealed.blob.size), "bulk_up_s": time.perf_counter() - t0,
+    return {"bulk_up_bytes": float(update.blob.size), "bulk_up_s": time.perf_counter() - t0,
             "bulk_retries": float(bulk.client.retries)}
 
 

@@ -47,6 +47,7 @@ from federation.protocol.pipeline import Payload
 from federation.site.attestation_mod import attestation_mod
 from federation.site.audit_mod import audit_mod
 from federation.site.bulk_mod import bulk_mod
+from federation.site.carried import carried, carry, take
 from federation.site.codec_mod import codec_mod
 from federation.site.downlink_mod import dense_global, downlink_mod, offer_held
 from federation.protocol.testing_hooks import absent
@@ -55,7 +56,7 @@ from federation.site.protection_mod import protection_mod
 from federation.site.replies import fail, status
 from federation.site.secagg_mod import secagg_mod
 from federation.site.site_env import SiteEnv, SiteScope, TrainerFactory, site_env
-from federation.site.trainer_call import EvalResult, ServiceTrainer, TrainerFailed, TrainResult
+from federation.site.trainer_call import EvalResult, GlobalModel, ServiceTrainer, TrainerFailed, TrainResult
 from federation.site.update_stream import reader_records
 
 APP_IMPORT_S = time.perf_counter() - _IMPORTS_START  # reported per message (protocol/message_cost.py)
@@ -83,6 +84,8 @@ def query(msg: Message, context: Context) -> Message:
     # the trainer's seconds per local step, timed at its start: round 1's figure for round_target_s
     step = {keys.STEP_S_ESTIMATE: float(info["step_s_estimate"])} if info.get("step_s_estimate") else {}
     held = _offer_held(env, msg)
+    if isinstance(info.get("data_snapshot"), dict):  # the site's audit log only (audit_mod.py)
+        env.audit_events.append(("data_snapshot", dict(info["data_snapshot"])))
     return Message(RecordDict({keys.STATUS: status(env.site, True, num_examples=info["num_examples"],
                                                    ranks=info["ranks"], **manifest, **step, **held,
                                                    **announcement(env))}), reply_to=msg)
@@ -107,9 +110,11 @@ def _trainer_call(msg: Message, context: Context, *methods: str,
     prepared, or the message's dense model (then a temporary copy, released here); `after(name,
     result)` after each. A failure is the reply to send."""
     env = site_env(context)
-    model, owned = env.global_model, False
-    if model is None:
-        model, owned = dense_global(msg.content, env.site, env.bulk_places.get(keys.GLOBAL)), True
+    model = carried(msg)  # the downlink mod's (carried.py)
+    owned = not isinstance(model, GlobalModel)
+    if owned:  # no downlink mod before the call: the message's dense model, where the bulk mod put it if it did
+        places = take(msg)
+        model = dense_global(msg.content, env.site, places.get(keys.GLOBAL) if places else None)
     try:
         out = []
         for m in methods:
@@ -153,9 +158,12 @@ def train(msg: Message, context: Context) -> Message:
     if isinstance(res, Message):
         return res
     trained = res[-1]
+    if isinstance(trained.data_snapshot, dict):  # a trainer's first round since it started: audit log only
+        env.audit_events.append(("data_snapshot", {"round": env.config.round, **trained.data_snapshot}))
     dense = float(trained.dense_bytes())
-    if trained.source is not None and streams_update(env, msg):
-        env.update_source = trained.source  # the protection mod seals it, or the SecAgg mod masks it, from the file
+    streamed = trained.source is not None and streams_update(env, msg)
+    if streamed:
+        env.opened.append(trained.source)  # closed when the message ends, whatever becomes of the reply
         out = RecordDict({keys.UPDATE: ArrayRecord(), keys.UPDATE_META: ConfigRecord({})})
     elif trained.source is not None:
         try:
@@ -169,7 +177,10 @@ def train(msg: Message, context: Context) -> Message:
     if evaluate_first:  # the evaluation's figures (not its load_s: the train call reports its own)
         metrics.update({k: v for k, v in res[0].metrics.items() if k != "load_s"})
     out[keys.METRICS] = MetricRecord(metrics)
-    return Message(out, reply_to=msg)
+    reply = Message(out, reply_to=msg)
+    if streamed:  # the protection mod seals it, or the SecAgg mod masks it, from the file
+        carry(reply, trained.source, env.opened)
+    return reply
 
 
 def evaluate(msg: Message, context: Context) -> Message:

@@ -21,6 +21,7 @@ from federation.protocol import message_keys as keys
 from federation.protocol.downlink_steps import DownlinkError, as_reference, model_digest, reconstruct
 from federation.protocol.payload_records import MalformedRecord, from_records
 from federation.protocol.wire_dtypes import to_master
+from federation.site.carried import carry, take
 from federation.site.replies import fail, ok
 from federation.site.site_env import site_env
 from federation.site.site_store import ReferenceStore
@@ -34,15 +35,17 @@ def downlink_mod(msg: Message, context: Context, call_next) -> Message:
     if msg.metadata.message_type not in (MessageType.TRAIN, MessageType.EVALUATE):
         return call_next(msg, context)
     env = site_env(context)
+    places = take(msg)  # where the bulk mod downloaded the message's Arrays, if it did (carried.py)
     try:
-        glob = receive_global(msg.content, env.site, lambda: env.store.reference.dir, env.bulk_places.get(keys.GLOBAL))
+        glob = receive_global(msg.content, env.site, lambda: env.store.reference.dir,
+                              places.get(keys.GLOBAL) if places else None)
     except (DownlinkError, MalformedRecord, TrainerFailed) as err:  # MalformedRecord: an array that does not parse
         return fail(msg, env.site, f"site {env.site}: {err}")
-    env.global_model = glob
+    carry(msg, glob)  # for the trainer call
     try:
         reply = call_next(msg, context)
     finally:
-        env.global_model = None
+        take(msg)
         glob.release()
     if ok(reply):
         for key, value in glob.status.items():

@@ -16,6 +16,7 @@ from crypto.pki import SiteBundle
 from federation.protocol import message_keys as keys
 from federation.protocol.envelope_layout import as_payload, inner
 from federation.protocol.pipeline import Payload, RoundContext
+from federation.site.carried import carry, take
 from federation.site.replies import ok, set_update, update_of
 from federation.site.site_env import site_env
 from federation.site.update_stream import reader_records, seal_to_file
@@ -50,8 +51,8 @@ def protection_mod(msg: Message, context: Context, call_next) -> Message:
     env = site_env(context)
     if not ok(reply) or env.bundle is None:
         return reply
-    if env.update_source is not None:  # the update is still the trainer's file: seal it a chunk at a time
-        source, env.update_source = env.update_source, None
+    source = take(reply)
+    if source is not None:  # the update is still the trainer's file: seal it a chunk at a time
         try:
             sealed = seal_to_file(source, env.bundle, env.config.seal, env.round_context(),
                                   meta=dict(reply.content.config_records.get(keys.UPDATE_META, {})))
@@ -62,7 +63,7 @@ def protection_mod(msg: Message, context: Context, call_next) -> Message:
             source.close()
         else:
             source.close()
-            env.outgoing = sealed  # the bulk mod uploads the file (or puts the body in the message)
+            carry(reply, sealed, env.opened)  # the bulk mod uploads the file (or puts the body in the message)
             reply.content[keys.UPDATE], reply.content[keys.UPDATE_META] = sealed.records()
             reply.content.metric_records[keys.METRICS]["upload_bytes"] = float(sealed.body_len)
             return reply

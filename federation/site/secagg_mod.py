@@ -80,6 +80,7 @@ from federation.protocol.payload_records import to_array
 from federation.protocol.pipeline import Payload
 from federation.protocol.secagg_records import Request, chunk_key, reply_record
 from federation.protocol.update_codec import codec_meta
+from federation.site.carried import carry, take
 from federation.site.codec_mod import rounding_seed
 from federation.site.masked_stream import MaskedFile, UpdateValues, mask_to_file, writer_for
 from federation.site.replies import fail, ok, update_of
@@ -133,7 +134,7 @@ def secagg_mod(msg: Message, context: Context, call_next) -> Message:
 def _mask_reply(msg: Message, context: Context, env: SiteEnv, reply: Message, masking: Masking) -> None:
     """Replace the reply's update by its masked chunks: streamed from the trainer's file into a file
     the bulk mod uploads when the update is still there (client_app.streams_update), else whole."""
-    source, env.update_source = env.update_source, None
+    source = take(reply)
     streamed = None
     if source is not None:
         try:
@@ -143,8 +144,9 @@ def _mask_reply(msg: Message, context: Context, env: SiteEnv, reply: Message, ma
         finally:
             source.close()
     if streamed is not None:
-        env.outgoing, rec = streamed
-        chunks, upload = env.outgoing.records(), float(env.outgoing.blob.size)  # the chunks' .npy bytes, as below
+        masked_file, rec = streamed
+        carry(reply, masked_file, env.opened)  # the bulk mod uploads it
+        chunks, upload = masked_file.records(), float(masked_file.blob.size)  # the chunks' .npy bytes, as below
     else:
         st = reply.content.config_records[keys.STATUS]
         masked = on_train(msg, context, env.site, update_of(reply), int(st["num_examples"]), masking)

@@ -32,7 +32,7 @@ from federation.protocol import message_keys as keys
 from federation.protocol.pipeline import RoundContext
 from federation.protocol.round_config import RoundConfig
 from federation.site.site_store import SiteStore
-from federation.site.trainer_call import NODE_CONFIG_HINT, GlobalModel, Trainer
+from federation.site.trainer_call import NODE_CONFIG_HINT, Trainer
 from site_trainer.policy_config import SitePolicy
 
 M = TypeVar("M", bound=BaseModel)
@@ -60,16 +60,13 @@ class SiteEnv:
         except KeyError as err:
             raise RuntimeError(f"SuperNode started without node config {err}; start it with {NODE_CONFIG_HINT}") from None
         self._trainer_for = trainer_for
-        self.global_model: GlobalModel | None = None  # set by the downlink mod for the trainer call
         # the data path's files of this message (update_stream.py), released by the bulk mod:
         self.bulk_direct = False  # the reply's large Arrays will go on the coordinator's data path
         # the bulk mod's: send evaluation figures to the coordinator before the reply (None: no data path)
         self.report_evaluation: Callable[[dict[str, float]], None] | None = None
-        self.bulk_places: dict[str, dict[str, tuple[str, int]]] = {}  # record -> array -> (file, offset)
         self.downloads: list = []  # DownloadedBlob: the message's blobs, in /dev/shm files
-        self.update_source = None  # handoff.Reader: the trainer's update, not yet read (train -> protection or secagg)
-        self.outgoing = None  # the update in a file, to upload: SealedFile (protection -> bulk) or MaskedFile
-        #                       (secagg -> bulk); `record_key` names the reply record that references it
+        # the update's files the reply carried (carried.py), closed by the bulk mod when the message ends
+        self.opened: list = []
         self.audit_events: list[tuple[str, dict]] = []  # (kind, fields) for the site's audit log (audit_mod.py)
 
     @staticmethod

@@ -53,6 +53,9 @@ class TrainResult:
     metrics: dict[str, float] = field(default_factory=dict)
     rank_digests: list[str] = field(default_factory=list)  # every rank's digest of its weights
     source: handoff.Reader | None = None
+    # the trainer's data snapshot (site_trainer/data_digest.py), in its first answer after it
+    # started: for the site's audit log only, never in the reply
+    data_snapshot: dict | None = None
 
     def arrays(self) -> Arrays:
         """The update as arrays (read from `source` when the trainer gave a file: one copy)."""
@@ -167,7 +170,8 @@ class ServiceTrainer:
             if not upd.owned:  # a one-off file; the trainer's own files stay (the Reader locks it meanwhile)
                 handoff.release(upd.path)
         return TrainResult({}, int(reply["num_examples"]), {k: float(v) for k, v in reply.get("metrics", {}).items()},
-                           [str(d) for d in reply.get("rank_digests", [])], source=source)
+                           [str(d) for d in reply.get("rank_digests", [])], source=source,
+                           data_snapshot=reply.get("data_snapshot"))
 
     def evaluate(self, model: GlobalModel, config: RoundConfig) -> EvalResult:
         """Evaluate on the site's held-out data."""
