@@ -246,12 +246,9 @@ class Session:
         # Figures of the site rather than of a round (the PII scrubber's counts per entity type), added
         # by rank 0 to every train reply as they are: numbers only, never text.
         self.site_metrics = {str(k): float(v) for k, v in (site_metrics or {}).items()}
-        # rank 0: what this site trains on (data_digest.snapshot), for the site's audit log: in the
-        # discovery answer and in the first train answer after the trainer started (a restart may
-        # have read other data)
-        self.data_snapshot = dict(data_snapshot) if data_snapshot is not None else snapshot_fields(
-            None, "", num_examples or 0, num_val_examples or 0)
-        self._snapshot_told = False  # rank 0: a train answer of this process carried it
+        # rank 0: what the site trains on (data_digest.py), for its audit log: in the discovery answer and
+        # the first train answer of this process (a restarted trainer may have read other data)
+        self.data_snapshot, self._snapshot_told = dict(data_snapshot or {}), False
         self.reply_listeners: list[Callable[[int, dict], None]] = []  # rank 0: (round, a train reply's metrics)
         self.rounds_reported = 0
         self.last_files: list[str | None] = []
@@ -509,7 +506,7 @@ class Session:
         self.last_files = [] if handle.owned else [handle.path]  # an owned file stays for the next rounds
         told, self._snapshot_told = self._snapshot_told, True
         req.answer({"ok": True, "update": handle.to_json(), "num_examples": count, "metrics": means,
-                    "rank_digests": digests, **({} if told else {"data_snapshot": self.data_snapshot})})
+                    "rank_digests": digests, **({} if told or not self.data_snapshot else {"data_snapshot": self.data_snapshot})})
         for listener in self.reply_listeners:  # the site's own trackers: what was just sent, nothing more
             listener(rnd.number, dict(means))
         self._after_reply(rnd)  # the weights just sent, kept after the reply left (not on its path)
@@ -543,14 +540,9 @@ class Session:
         return handoff.Writer(self.layout.wire_spec(), tag=f"{self.site}-{tag}", allocate=allocate)
 
     def _round_writer(self) -> handoff.Writer | update_files.OwnedWriter:
-        """Rank 0: a round's update file: one of the trainer's own (`update_files`) that no reader
-        holds, else a one-off file allocated while the round trains."""
-        owned = self.update_files.writer(self.layout.wire_spec())
-        if owned is not None:
-            return owned
-        log.info("site %s: both update files are still being read (earlier rounds' uploads); this round's "
-                 "update goes to a one-off file", self.site)
-        return self._update_writer("update", allocate=True)
+        """Rank 0: one of the trainer's own update files no reader holds, else a one-off file."""
+        return self.update_files.writer_or_one_off(self.layout.wire_spec(),
+                                                   lambda: self._update_writer("update", allocate=True))
 
     def close_files(self) -> None:
         """Rank 0: unlink the trainer's update files (its shutdown; readers holding one open keep it)."""

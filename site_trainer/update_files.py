@@ -23,17 +23,21 @@ kill, by the next trainer of the site (`handoff.sweep_stale`: the names carry th
 from __future__ import annotations
 
 import contextlib
+import logging
 import fcntl
 import mmap
 import os
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from site_trainer import handoff
+
+log = logging.getLogger("sovfl.site_trainer")
 
 SLOTS = 2  # the previous round's update may still be read while the next one is written
 
@@ -226,6 +230,16 @@ class UpdateFiles:
         if not f.take():  # (a fresh file: nobody else can hold it)
             raise OSError(f"update file {f.path}: cannot lock it")
         return self._writer(f, spec)
+
+    def writer_or_one_off(self, spec: dict[str, tuple[str, tuple[int, ...]]],
+                          one_off: Callable[[], handoff.Writer]) -> OwnedWriter | handoff.Writer:
+        """A round's update file: one of these that no reader holds, else `one_off()` (said in the log)."""
+        owned = self.writer(spec)
+        if owned is not None:
+            return owned
+        log.info("%s: both update files are still being read (earlier rounds' uploads); this round's update goes "
+                 "to a one-off file", self.tag)
+        return one_off()
 
     def _writer(self, f: OwnedFile, spec: dict[str, tuple[str, tuple[int, ...]]]) -> OwnedWriter:
         self.generation += 1

@@ -84,7 +84,7 @@ def query(msg: Message, context: Context) -> Message:
     # the trainer's seconds per local step, timed at its start: round 1's figure for round_target_s
     step = {keys.STEP_S_ESTIMATE: float(info["step_s_estimate"])} if info.get("step_s_estimate") else {}
     held = _offer_held(env, msg)
-    if isinstance(info.get("data_snapshot"), dict):  # the site's audit log only (audit_mod.py)
+    if isinstance(info.get("data_snapshot"), dict) and info["data_snapshot"]:  # the site's audit log only
         env.audit_events.append(("data_snapshot", dict(info["data_snapshot"])))
     return Message(RecordDict({keys.STATUS: status(env.site, True, num_examples=info["num_examples"],
                                                    ranks=info["ranks"], **manifest, **step, **held,
@@ -158,7 +158,7 @@ def train(msg: Message, context: Context) -> Message:
     if isinstance(res, Message):
         return res
     trained = res[-1]
-    if isinstance(trained.data_snapshot, dict):  # a trainer's first round since it started: audit log only
+    if isinstance(trained.data_snapshot, dict) and trained.data_snapshot:  # a trainer's first round: audit log only
         env.audit_events.append(("data_snapshot", {"round": env.config.round, **trained.data_snapshot}))
     dense = float(trained.dense_bytes())
     streamed = trained.source is not None and streams_update(env, msg)
