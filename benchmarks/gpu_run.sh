@@ -7,8 +7,10 @@
 #
 #   bash benchmarks/gpu_run.sh            # on the GPU machine; outputs under $OUT (or ./gpu-out)
 #   SMOKE=1 bash benchmarks/gpu_run.sh    # on a CPU: the same parts at toy size (gloo, fp32)
+#   PART=federation bash benchmarks/gpu_run.sh   # instead: the 1.5B federation, 3 rounds (< 9 min)
 #
-# Wheels for what that machine lacks (pydantic, cryptography and their needs) travel in .gpu-wheels/.
+# Wheels for what that machine lacks (pydantic, cryptography, flwr and their needs) travel in
+# .gpu-wheels/ (docs/benchmarks/gpu_federation.md says how to fetch them).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -18,7 +20,7 @@ PY=${PY:-python3}
 if [ -d .gpu-wheels ] && [ -z "${SMOKE:-}" ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu-wheels/*.whl \
     > "$OUT/env.txt" 2>&1 || { echo "wheel install failed"; cat "$OUT/env.txt"; exit 1; }
-  export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+  export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH  # flwr's commands
 else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
@@ -33,6 +35,17 @@ if [ -z "${SMOKE:-}" ] && [ "$(df --output=avail -k /dev/shm | tail -1)" -lt 250
   df -h /dev/shm >> "$OUT/env.txt"
 fi
 
+if [ "${PART:-}" = federation ]; then
+  FED=(); T_FED=510
+  [ -n "${SMOKE:-}" ] && FED=(--smoke) && T_FED=900
+  echo "load $(cut -d' ' -f1-3 /proc/loadavg) before gpu_federation" >> "$OUT/env.txt"
+  timeout -k 10 $T_FED $PY benchmarks/gpu_federation.py "${FED[@]}" > "$OUT/gpu_federation.log" 2>&1 \
+    || echo "gpu_federation ended with status $?" >> "$OUT/gpu_federation.log"
+  tail -n 4 "$OUT/env.txt"
+  grep -v "^RESULT" "$OUT/gpu_federation.log" | tail -n 12
+  grep -h "^RESULT\|ended with status" "$OUT/gpu_federation.log" | tee "$OUT/results.txt"
+  exit 0
+fi
 if [ -n "${SMOKE:-}" ]; then
   THR=(--smoke --model hf-tiny --strategies ddp,zero2 --steps 3 --rounds 1)
   HO_GPU=(--device cpu --mb 20,60 --rounds 1)
