@@ -115,3 +115,25 @@ def test_file_digest_is_the_files_sha256_and_follows_a_rewrite(tmp_path, size):
     assert file_digest(p) == hashlib.sha256(p.read_bytes()).hexdigest()
     p.write_bytes(os.urandom(size + 1))  # another size: read again, not the remembered digest
     assert file_digest(p) == hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def test_the_hf_callback_names_a_datasets_dataset_by_its_fingerprints():
+    """Without `data_digest=`, a Trainer's `datasets` datasets are named by their fingerprints (a
+    hash of their source and every transform applied): another transform is another snapshot."""
+    from types import SimpleNamespace
+
+    datasets = pytest.importorskip("datasets")
+    from site_trainer.hf_callback import FederatedCallback
+
+    train = datasets.Dataset.from_dict({"text": ["Bonjour", "Guten Tag"]})
+    ev = datasets.Dataset.from_dict({"text": ["Hallo"]})
+
+    def fingerprint(train_ds, eval_ds):
+        return FederatedCallback._dataset_fingerprint(SimpleNamespace(trainer=SimpleNamespace(
+            train_dataset=train_ds, eval_dataset=eval_ds)))
+
+    first = fingerprint(train, ev)
+    assert first == f"datasets:{train._fingerprint}+{ev._fingerprint}"
+    assert fingerprint(train, None) == f"datasets:{train._fingerprint}"
+    assert fingerprint(train.map(lambda x: {"text": x["text"] + "!"}), ev) != first
+    assert fingerprint([{"text": "a list"}], None) is None  # not a datasets Dataset: undeclared

@@ -1,9 +1,10 @@
 """`sovfl audit export`: one Markdown page per run for a data-protection officer, from the verified
 audit logs of the coordinator and the sites (crypto/audit): the parties and their keys, the run's
 settings, each round's group, what was aggregated and refused and why (a site that sat a round out
-for its announced policy, from the coordinator's log), each site's privacy budget,
-the digests of every update sent and received, and of each site's data snapshot. Only logs that verify are read; the page says
-which checks passed (`verify` of every log, `compare` of every site's with the coordinator's).
+for its announced policy, from the coordinator's log), each site's privacy budget, the digests of
+every update sent and received, and of each site's data snapshot. Only logs that verify are read;
+the page says which checks passed (`verify` of every log, `compare` of every site's with the
+coordinator's).
 """
 
 from __future__ import annotations
