@@ -93,7 +93,8 @@ def config(wl: dict, args: argparse.Namespace) -> dict:
                                      "evaluate_s": long_s}},
         "workload": wl,
         "sites": [{"id": name, "ranks": 1, "partition": i, "parallelism": "zero2", "local_steps": args.steps,
-                   "batch_size": args.batch, "grad_accum": args.grad_accum, "lr": 3e-4, **site}
+                   "batch_size": args.batch, "grad_accum": args.grad_accum, "lr": 3e-4,
+                   "pii": {"enabled": False}, **site}  # generated stdlib text: no PII scrubber (no Presidio there)
                   for i, name in enumerate(("paris", "frankfurt"))],
     }
 
