@@ -150,6 +150,7 @@ def test_a_site_sits_out_until_a_third_site_joins_then_takes_part(tmp_path, mark
     skipped. c's site starts while the coordinator holds
     after round 1; round 2 asks it who it is before its first stage, and a, b and c are aggregated."""
     import os
+    import select
     import shutil
     import subprocess
     import sys
@@ -194,9 +195,10 @@ def test_a_site_sits_out_until_a_third_site_joins_then_takes_part(tmp_path, mark
                         env={**env, **stage_hook_env(hook, "1:checkpoint")})
     procs = [coord]
     try:
-        line = coord.stdout.readline()
-        while line and "waiting for 3 site(s)" not in line:
-            line = coord.stdout.readline()
+        end, line = time.monotonic() + 300, ""  # the sites' keys are registered once it says this
+        while "waiting for 3 site(s)" not in line:
+            assert time.monotonic() < end and coord.poll() is None, output_of(coord)
+            line = coord.stdout.readline() if select.select([coord.stdout], [], [], 1.0)[0] else ""
         procs += [site("a"), site("b")]
         try:
             wait_for_stage(hook, 1, "checkpoint", lambda: coord.poll() is None)
