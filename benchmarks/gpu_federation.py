@@ -9,7 +9,7 @@ torchrun trainers on loopback. The anchor for memory is the model itself: the co
 resident memory (the ServerApp process's VmHWM, sampled while the run lasts) over P x 4 bytes, the
 float32 model it must hold.
 
-    python benchmarks/gpu_federation.py                # on a GPU machine (about 5 minutes on one H200)
+    python benchmarks/gpu_federation.py                # on a GPU machine (not yet timed there; limited to 510 s by gpu_run.sh)
     python benchmarks/gpu_federation.py --smoke        # on a CPU: the same machinery at toy size
 
 Last line: RESULT params=<P> rounds_aggregated=<n of --rounds> status=<ok|...> round_s=<median>

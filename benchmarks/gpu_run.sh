@@ -7,7 +7,7 @@
 #
 #   bash benchmarks/gpu_run.sh            # on the GPU machine; outputs under $OUT (or ./gpu-out)
 #   SMOKE=1 bash benchmarks/gpu_run.sh    # on a CPU: the same parts at toy size (gloo, fp32)
-#   PART=federation bash benchmarks/gpu_run.sh   # instead: the 1.5B federation, 3 rounds (< 9 min)
+#   PART=federation bash benchmarks/gpu_run.sh   # instead: the 1.5B federation, 3 rounds (cut at 510 s; not yet timed)
 #
 # Wheels for what that machine lacks (pydantic, cryptography, flwr and their needs) travel in
 # .gpu-wheels/ (docs/benchmarks/gpu_federation.md says how to fetch them).
