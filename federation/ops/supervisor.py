@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -27,9 +28,36 @@ class LaunchError(RuntimeError):
     """A process could not be started or died; the message names it and points at its log."""
 
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_pick = random.SystemRandom()  # independent of any seed a caller set: parallel runs pick apart
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for outgoing connections' local ports (Linux's default where unreadable)."""
+    try:
+        lo, hi = (int(v) for v in EPHEMERAL_RANGE.read_text().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    """A TCP port free on loopback now (for the SuperLink and SuperNodes we start)."""
-    with socket.socket() as s:
+    """A TCP port free on loopback now (for the SuperLink, SuperNodes and Runtime APIs we start),
+    outside the kernel's ephemeral range: a port from that range can be taken between this pick and
+    the server's bind by any outgoing connection, including a client that polls the port before its
+    server listens (the kernel may connect such a client to itself, and then holds the port)."""
+    lo, hi = _ephemeral_ports()
+    below, above = range(10000, lo), range(hi + 1, 65536)
+    ports = below if len(below) >= len(above) else above
+    for _ in range(256):
+        port = _pick.choice(ports)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # every pick taken: let the kernel choose
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
