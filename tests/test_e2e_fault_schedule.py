@@ -23,8 +23,9 @@ from conftest import ROOT, _env
 pytestmark = [pytest.mark.e2e, pytest.mark.slow(seconds=250)]
 
 # its schedule: the coordinator, held on entering round 1's checkpoint write, then madrid's SuperNode
-# in round 2's SecAgg stage 3; madrid misses round 2 and round 3 (its setup for round 3 rode on
-# round 2's unmask query) and contributes again in round 4
+# in round 2's SecAgg stage 3; madrid misses round 2 (the messages of round 2 that asked for its
+# setup of round 3 failed while it was down, so the query before round 3 asks again) and
+# contributes again in round 3 or, if its SuperNode is not back by then, in round 4
 SEED = 48
 
 

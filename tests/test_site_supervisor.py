@@ -111,6 +111,26 @@ def test_supernode_that_never_activated_waits_only_what_is_left_of_a_hold_since_
     assert "it never activated a node" in lines[-2] and "restarting in 1s" in lines[-1]
 
 
+def test_a_node_id_an_earlier_life_logged_is_not_released_again_for_a_later_life(sup, tmp_path):
+    """Restarts append to one log: a life that activated no node (its SuperLink was replaced and
+    refused it before the coordinator registered the keys) is not held for the node of an earlier
+    life, which belonged to the SuperLink that went away."""
+    clock, lines = Clock(), []
+    guard = SiteSupervisor(sup, SiteRestarts(backoff_s=1), lines.append, clock)
+    lives = iter([[sys.executable, "-c", "print('SuperNode ID: 4242', flush=True); raise SystemExit(3)"], CRASH])
+    first = guard.watch_supernode("x", lambda: sup.start("site-x-supernode", next(lives)), "127.0.0.1:1", tmp_path)
+    _wait_dead(first)
+    guard.tick()  # its own node: released, or (nothing listens at :1) waited for
+    assert "could not deactivate its node" in lines[-2] and f"restarting in {site_supervisor.NODE_HOLD_S:.0f}s" in lines[-1]
+    clock.t += site_supervisor.NODE_HOLD_S
+    guard.tick()
+    second = guard.proc("site x: SuperNode")
+    assert second is not first and second.log == first.log and second.log_start > 0
+    _wait_dead(second)
+    guard.tick()
+    assert "it never activated a node" in lines[-2] and "restarting in 2s" in lines[-1], lines[-2:]
+
+
 def test_trainer_cleanup_kills_ranks_a_dead_torchrun_left_and_clears_the_socket(sup, tmp_path):
     cfg = tmp_path / "sites" / "x" / "trainer.json"
     sock = str(tmp_path / "x.sock")

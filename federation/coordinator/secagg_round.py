@@ -22,7 +22,9 @@ reproducible from the federation seed, so it is known ahead), each with its SecA
 (`member_id(name)`) and long-term channel key (the CA-signed registry's; without a bundle, the key
 the site told at discovery). A sampled site without a setup for round r (new, down or failing when
 it was asked, or not sampled in round r - 1 and not reached by a prepare query) sits round r out;
-it is asked for the setup of round r + 1 during round r.
+it is asked for the setup of round r + 1 during round r. A site whose message failed (a crash, an
+unreachable node) is asked again on the next message, or before round r + 1 starts if none goes out;
+one that let the deadline pass is not waited for again.
 
 Signatures (crypto.secagg.signing): every reply carries the site's Ed25519 signature over its
 content (stage 3: the manifest of its packed chunks), bound to federation, run, round, stage and
@@ -561,8 +563,9 @@ class SetupRider:
         if name is None or name not in self.members:
             return
         rec = content.config_records.get(SECAGG_SETUP) if content is not None else None
-        if rec is None:  # the message failed (or a reply without the record): asked again if another goes out
-            self.asked.discard(node)
+        if rec is None:  # the message failed (or a reply without the record): asked again if another
+            self.asked.discard(node)  # goes out, else before its round (prepare_round): a site back
+            self.setups.asked.discard(node)  # from a crash sits out the round it missed, not the next
             return
         plan = self.setups.plan
         try:

@@ -97,7 +97,7 @@ class SiteSupervisor:
         def hold(dead: Proc) -> float:
             if bundle is None:
                 return 0.0
-            node_id = supernode_release.logged_node_id(dead.log)
+            node_id = supernode_release.logged_node_id(dead.log, dead.log_start)  # its own life's node
             if node_id is None:
                 return self._unlogged_hold(name)
             why = supernode_release.release(superlink, bundle, node_id)
@@ -110,11 +110,14 @@ class SiteSupervisor:
         return self.watch(name, start, hold=hold)
 
     def _unlogged_hold(self, name: str) -> float:
-        """The wait before restarting a SuperNode whose log (every life of it in this workdir) names
-        no node: none of them activated one. The SuperLink refuses an unregistered key (a site that
-        asked before its coordinator registered the keys) and a key still active alike, and only an
-        activation by another process (another workdir) could hold it: that process died before
-        this supervisor started, so its hold ends at most NODE_HOLD_S after that."""
+        """The wait before restarting a SuperNode that logged no node id in its life: it activated
+        none. The SuperLink refuses an unregistered key (a site that asked before its coordinator
+        registered the keys, also after a coordinator restart) and a key still active alike. This
+        supervisor never starts a SuperNode while a node of an earlier life may hold the key (it
+        released that node, waited for it to expire, or stopped the life gracefully), so only a
+        process that died before this supervisor started can hold it, and that hold ends at most
+        NODE_HOLD_S after the start. A node id logged by an earlier life (perhaps at a SuperLink
+        that has since been replaced) says nothing about this one."""
         left = NODE_HOLD_S - (self.clock() - self.started)
         if left <= 0:
             self.progress(f"{name}: no node id in its log: it never activated a node, and no other SuperNode of "

@@ -15,10 +15,13 @@ from pathlib import Path
 NODE_ID = re.compile(r"SuperNode ID: (\d+)")
 
 
-def logged_node_id(log: Path) -> int | None:
-    """The node id the SuperNode's last connection logged, if any."""
+def logged_node_id(log: Path, since: int = 0) -> int | None:
+    """The node id the SuperNode's last connection logged at or after byte `since` of `log` (where
+    one process's output starts, when restarts append to the same file), if any."""
     try:
-        ids = NODE_ID.findall(log.read_text(errors="replace"))
+        with open(log, "rb") as f:
+            f.seek(since)
+            ids = NODE_ID.findall(f.read().decode(errors="replace"))
     except OSError:
         return None
     return int(ids[-1]) if ids else None

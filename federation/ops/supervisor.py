@@ -84,6 +84,7 @@ class Proc:
     popen: subprocess.Popen
     log: Path
     grace_s: float = 10.0  # how long a SIGTERM may take before SIGKILL (a site's trackers write their last records)
+    log_start: int = 0  # where its output begins in `log` (a restart appends to the same file)
 
     def alive(self) -> bool:
         """Whether it still runs."""
@@ -118,9 +119,10 @@ class Supervisor:
         logs.mkdir(parents=True, exist_ok=True)
         log = logs / f"{name}.log"
         with open(log, "ab") as out:
+            start = out.tell()
             popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=self.env(extra_env), cwd=self.workdir, start_new_session=True)
-        proc = Proc(name, popen, log, grace_s)
+        proc = Proc(name, popen, log, grace_s, start)
         self.procs.append(proc)
         (self.workdir / "pids.json").write_text(json.dumps({p.name: p.popen.pid for p in self.procs}, indent=1))
         return proc
