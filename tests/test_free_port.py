@@ -33,3 +33,10 @@ def test_an_unreadable_range_falls_back_to_linuxs_default(monkeypatch, tmp_path)
     (tmp_path / "range").write_text("40000\t50000\n")
     monkeypatch.setattr(supervisor, "EPHEMERAL_RANGE", tmp_path / "range")
     assert supervisor._ephemeral_ports() == (40000, 50000)
+
+
+def test_a_range_that_leaves_no_port_outside_it_gets_the_kernels_choice(monkeypatch):
+    monkeypatch.setattr(supervisor, "_ephemeral_ports", lambda: (1024, 65535))
+    port = supervisor.free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))

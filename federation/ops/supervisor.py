@@ -49,7 +49,7 @@ def free_port() -> int:
     lo, hi = _ephemeral_ports()
     below, above = range(10000, lo), range(hi + 1, 65536)
     ports = below if len(below) >= len(above) else above
-    for _ in range(256):
+    for _ in range(256 if len(ports) else 0):  # none outside the range: the kernel's choice
         port = _pick.choice(ports)
         with socket.socket() as s:
             try:
