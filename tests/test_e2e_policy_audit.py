@@ -195,10 +195,13 @@ def test_a_site_sits_out_until_a_third_site_joins_then_takes_part(tmp_path, mark
                         env={**env, **stage_hook_env(hook, "1:checkpoint")})
     procs = [coord]
     try:
-        end, line = time.monotonic() + 300, ""  # the sites' keys are registered once it says this
-        while "waiting for 3 site(s)" not in line:
-            assert time.monotonic() < end and coord.poll() is None, output_of(coord)
-            line = coord.stdout.readline() if select.select([coord.stdout], [], [], 1.0)[0] else ""
+        # the sites' keys are registered once it says this; read from the pipe itself, so that
+        # select sees every byte (a buffered readline may hold the line select waits for)
+        end, seen, fd = time.monotonic() + 300, "", coord.stdout.fileno()
+        while "waiting for 3 site(s)" not in seen:
+            assert time.monotonic() < end and coord.poll() is None, seen + output_of(coord)
+            if select.select([fd], [], [], 1.0)[0]:
+                seen += os.read(fd, 1 << 16).decode(errors="replace")
         procs += [site("a"), site("b")]
         try:
             wait_for_stage(hook, 1, "checkpoint", lambda: coord.poll() is None)
