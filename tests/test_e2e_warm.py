@@ -1,7 +1,7 @@
 """End to end, the warm ClientApp executor (federation/ops/warm_executor.py) in a simulated
-federation: every message is served by a warm worker; workers SIGKILLed while idle and one
-SIGKILLed while it handles a message leave the run going (the round without that site, counted)
-and the pools refilled."""
+federation: every message is served by a worker forked from a warm parent; parents SIGKILLed while
+idle and a worker SIGKILLed while it handles a message leave the run going (the round without that
+site, counted) and the parents replaced."""
 
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ def handed(log: Path) -> list[int]:
     return [int(m.group(1)) for m in HANDED.finditer(log.read_text(errors="replace"))] if log.exists() else []
 
 
-def workers_of(superexec: int) -> list[int]:
-    """The live warm workers the SuperExec process `superexec` started."""
+def parents_of(superexec: int) -> list[int]:
+    """The live warm parents the SuperExec process `superexec` started."""
     out = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -54,10 +54,11 @@ def has_unix_socket(pid: int) -> bool:
 
 def test_warm_workers_serve_every_message_and_survive_kills(tmp_path, marker):
     """Round 1: every message served warm. Paused before round 2 (no message in flight): site a's
-    idle workers are SIGKILLed, site b's trainer is stopped; once b's round-2 message is handed to a
+    warm parents are SIGKILLed, site b's trainer is stopped; once b's round-2 message is handed to a
     worker, that worker is SIGKILLed mid-message. Round 2 aggregates a alone and counts b as failed
     (Flower reports the crashed ClientApp once its task's heartbeat expires); round 3 has both sites
-    again, every message of rounds 2 and 3 served by a warm worker from the refilled pools."""
+    again, every message of rounds 2 and 3 served by a worker forked from a warm parent (site a's
+    from the parents started in place of the killed ones)."""
     cfg = {"federation": {"name": "warm", "rounds": 3, "quorum": 1, "warm_clientapps": 2,
                           "deadlines": {"connect_s": 120, "round_s": 150, "evaluate_s": 60, "trainer_start_s": 240}},
            "workload": {"task": "digits", "options": {"hidden": 16}},
@@ -71,8 +72,8 @@ def test_warm_workers_serve_every_message_and_survive_kills(tmp_path, marker):
         wait_for_stage(hook, 2, "train", alive=lambda: proc.poll() is None)
         pids = json.loads((run / "pids.json").read_text())
         a_log, b_log = (run / "logs" / f"site-{s}-superexec.log" for s in ("wa", "wb"))
-        idle_a = sorted(set(workers_of(pids["site-wa-superexec"])) - set(handed(a_log)))
-        assert idle_a, "site a's SuperExec has no idle warm worker"
+        idle_a = sorted(set(parents_of(pids["site-wa-superexec"])) - set(handed(a_log)))
+        assert idle_a, "site a's SuperExec has no warm parent"
         for pid in idle_a:
             os.kill(pid, signal.SIGKILL)
         signal_trainer(run, "wb", signal.SIGSTOP)
@@ -110,10 +111,11 @@ def test_warm_workers_serve_every_message_and_survive_kills(tmp_path, marker):
         assert set(served) >= ({"wa"} if line is r2 else {"wa", "wb"}), served
     a_text, b_text = a_log.read_text(errors="replace"), b_log.read_text(errors="replace")
     for pid in idle_a:
-        assert re.search(rf"worker \(pid {pid}\) exited with code -9( before it was ready)?.*; starting another", a_text)
+        assert re.search(rf"parent \(pid {pid}\) exited with code -9( before it was ready)?.*; starting another", a_text)
     assert re.search(rf"worker \(pid {busy}\) serving task \d+ exited with code -9", b_text), b_text[-3000:]
     assert "cannot start" not in a_text + b_text
     assert len(set(handed(a_log))) == len(handed(a_log))  # one task per worker
+    assert not set(handed(a_log)) & set(idle_a)  # parents fork, never serve
     assert live_marked(marker) == []
 
 
@@ -122,7 +124,8 @@ def test_two_runs_back_to_back_on_one_site_share_no_worker(tmp_path, marker):
     Flower runs of two federations (other names, hence other SecAgg+ contexts, pairwise keys and
     masks) served by the same SuperExecs and pools. Both runs aggregate every round with both sites,
     every message is served warm, and no worker serves more than one message (nothing of run one
-    can reach run two: its keys lived in processes that are gone)."""
+    can reach run two: its keys lived in workers that are gone, forked from a parent that never
+    runs a task)."""
     import subprocess
     import sys
 
@@ -182,6 +185,6 @@ def test_two_runs_back_to_back_on_one_site_share_no_worker(tmp_path, marker):
         log = (tmp_path / s / "logs" / f"site-{s}-superexec.log").read_text(errors="replace")
         pids = handed(tmp_path / s / "logs" / f"site-{s}-superexec.log")
         assert len(pids) >= 2 * 2 * 2 and len(set(pids)) == len(pids), pids  # two runs x two rounds x two messages
-        assert log.count("warm ClientApp worker(s) (pid") == 1  # one pool, started once, served both runs
+        assert log.count("warm ClientApp parent(s) (pid") == 1  # one pool, started once, served both runs
         assert superexecs[s] == json.loads((tmp_path / s / "pids.json").read_text())[f"site-{s}-superexec"]
     assert live_marked(marker) == []

@@ -129,10 +129,10 @@ class FederationConfig(StrictModel):
                                  "`--resume` falls back to an older one if the newest is damaged)")
     site_restarts: SiteRestarts = Field(default_factory=SiteRestarts, description="restart budget of each site's "
                                         "trainer pool and SuperNode (federation/config/restart_config.py)")
-    warm_clientapps: int = Field(2, ge=0, le=32, description="ClientApp workers each site keeps started ahead of "
-                                 "its messages (imports done), each serving one message; 2 covers a SecAgg+ "
-                                 "round's two messages to a site (train with its evaluation, unmask) before any "
-                                 "replacement is ready. 0: Flower's own executor, a fresh process per message")
+    warm_clientapps: int = Field(1, ge=0, le=32, description="warm ClientApp parents each site keeps started ahead "
+                                 "of its messages (imports done); each message is served by a worker forked from "
+                                 "one. More than 1 only keeps a spare while a killed parent is replaced. "
+                                 "0: Flower's own executor, a fresh process per message")
     data_path: DataPath = Field(default_factory=DataPath, description="the bulk data path beside Flower")
     receive_workers: int = Field(3, ge=1, le=32, description="SecAgg+ masked replies the coordinator checks and "
                                  "adds at once, each on a thread of its own, while it pulls the next; it holds at "

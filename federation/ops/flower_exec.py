@@ -3,7 +3,7 @@
 Flower's SuperExec machinery (flwr/supercore/superexec/) and its ClientApp runtime
 (flwr/supernode/runtime/run_clientapp.py) are not a public API: they are the seam a SuperNode
 started with `--isolation process` leaves to the operator. The warm executor (warm_executor.py),
-its SuperExec (warm_superexec.py) and its workers (warm_worker.py) import Flower's pieces from
+its SuperExec (warm_superexec.py) and its warm parents and workers (warm_worker.py) import Flower's pieces from
 here and nowhere else, and `check()` compares what they use with the installed flwr: a new flwr
 that renames, moves or re-signs any of them fails `check()` (and tests/test_flower_exec.py) with a
 message that names each difference, instead of a TypeError in the middle of a round. The SuperExec

@@ -132,11 +132,11 @@ def start_supernode(sup: Supervisor, site: SiteConfig, superlink: str, socket_pa
     ], extra_env=superexec_poll_env())
 
 
-def start_superexec(sup: Supervisor, site_id: str, runtime_port: int, workers: int) -> Proc:
-    """The SuperExec of a site's SuperNode started with `runtime_port`: ours with `workers` warm
-    ClientApp workers (federation/ops/warm_superexec.py), or with 0 Flower's `flower-superexec`."""
+def start_superexec(sup: Supervisor, site_id: str, runtime_port: int, parents: int) -> Proc:
+    """The SuperExec of a site's SuperNode started with `runtime_port`: ours with `parents` warm
+    ClientApp parents (federation/ops/warm_superexec.py), or with 0 Flower's `flower-superexec`."""
     address = ["--runtime-api-address", f"127.0.0.1:{runtime_port}", "--insecure"]  # loopback, as Flower's own
-    argv = [sys.executable, "-m", "federation.ops.warm_superexec", *address, "--workers", str(workers)] if workers \
+    argv = [sys.executable, "-m", "federation.ops.warm_superexec", *address, "--parents", str(parents)] if parents \
         else [_bin("flower-superexec"), *address]
     return sup.start(f"site-{site_id}-superexec", argv, extra_env=superexec_poll_env())
 

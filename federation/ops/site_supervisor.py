@@ -127,14 +127,14 @@ class SiteSupervisor:
                       "started, for any node of this key activated before it to expire")
         return left
 
-    def watch_superexec(self, site: str, start: Callable[[int], Proc], workers: int) -> Proc:
-        """A site's warm SuperExec, `start(workers)`. Should it exit, what restarts in its place is
+    def watch_superexec(self, site: str, start: Callable[[int], Proc], parents: int) -> Proc:
+        """A site's warm SuperExec, `start(parents)`. Should it exit, what restarts in its place is
         Flower's own SuperExec, `start(0)` (a fresh ClientApp process per message), said in one line."""
         name = f"site {site}: SuperExec"
-        lives = [workers]
+        lives = [parents]
 
         def start_next() -> Proc:
-            if len(lives) == 2 and workers:
+            if len(lives) == 2 and parents:
                 self.progress(f"{name}: the warm ClientApp executor exited; Flower's subprocess executor "
                               "(flower-superexec, a fresh flwr-clientapp process per message) serves the site from now on")
             proc = start(lives[-1])

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runtime-api-address", required=True, help="the SuperNode's Runtime API (HOST:PORT)")
     ap.add_argument("--insecure", action="store_true", help="plain HTTP to the Runtime API (loopback)")
     ap.add_argument("--root-certificates", default=None, help="CA of the Runtime API's TLS certificate")
-    ap.add_argument("--workers", type=int, default=2, help="warm ClientApp workers kept ready")
+    ap.add_argument("--parents", type=int, default=1, help="warm ClientApp parents kept ready (each forks a worker per message)")
     args = ap.parse_args(argv)
     try:
         from federation.ops import flower_exec as fx
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         os.execvp(argv_flower[0], argv_flower)
     from federation.ops.warm_executor import WarmClientAppExecutor
 
-    executor = WarmClientAppExecutor(args.workers)
+    executor = WarmClientAppExecutor(args.parents)
     executor.start()
     serve(args.runtime_api_address, args.insecure, args.root_certificates, executor)
     return 0

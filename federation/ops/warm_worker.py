@@ -1,16 +1,27 @@
-"""One warm ClientApp worker: Flower's ClientApp runtime, its imports done before its task arrives.
+"""The warm ClientApp parent: imports once, forks one worker per ClientApp task.
 
-The warm executor (warm_executor.py) starts workers ahead of any message. A worker imports
-Flower's ClientApp runtime (flwr, httpx, protobuf), our ClientApp with its mods (gRPC; never
-torch), writes `ready` to the file descriptor it was given, then waits on stdin for its one task:
-a JSON line with the task's token and the SuperNode's Runtime API (a pipe, not argv, which other
-users of the machine can read). It runs Flower's `run_clientapp` for that token as a
-`flwr-clientapp` process would: the message comes over the Runtime API, the reply goes back the
-same way, and the process ends with Flower's exit code. One difference: a message object the
-SuperNode has not stored yet is asked for again within 50-250 ms rather than 1-10 s
-(flower_exec.prompt_object_pulls), since a warm worker asks as soon as the task exists. One task
-per process, so nothing of one message, run or key can reach the next. End of input before a
-task (the SuperExec went away) ends it quietly.
+The warm executor (warm_executor.py) starts this process ahead of any message. It imports Flower's
+ClientApp runtime (flwr, httpx, protobuf) and our ClientApp with its mods (gRPC; never torch),
+says `ready` on its event descriptor, then reads tasks from stdin, one JSON line each (a pipe,
+not argv, which other users of the machine can read). For each task it forks a worker, which runs
+Flower's `run_clientapp` for the task's token as a `flwr-clientapp` process would: the message
+comes over the Runtime API, the reply goes back the same way, and the worker ends with Flower's
+exit code. One difference: a message object the SuperNode has not stored yet is asked for again
+within 50-250 ms rather than 1-10 s (flower_exec.prompt_object_pulls), since a warm worker asks
+as soon as the task exists.
+
+Why a fork is safe here: the parent never runs a task, so a worker starts from the state the
+imports left and nothing of one message, run or key reaches the next. The parent starts no gRPC
+channel (gRPC's core is not running at fork) and forks only while it has one thread: before each
+fork it checks, and with another thread alive it refuses and exits (the executor then falls back
+to Flower's executor). OpenBLAS (numpy's, imported by flwr) is held to one thread by the executor
+(OPENBLAS_NUM_THREADS) so it starts no pool. Random state: Python's `random` reseeds itself in a
+forked child; numpy's global generator does not, so each worker reseeds it from the OS; keys and
+nonces come from the OS (`cryptography`, `secrets`) and OpenSSL reseeds after fork.
+
+Events the parent writes, one line each: `ready`, `forked <task_id> <pid>`, `exit <pid> <code>`
+(a worker it reaped; a signal as its negative number), `unsafe <why>` (it exits). End of stdin
+ends the parent quietly; workers still running finish their tasks.
 """
 
 from __future__ import annotations
@@ -18,8 +29,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import sys
+import threading
 import time
+
+REAP_EVERY_S = 0.2  # how soon a worker's exit reaches the executor's log
 
 
 def warm_up() -> None:
@@ -41,10 +56,73 @@ def warm_up() -> None:
     fx.prompt_object_pulls()  # the task's objects may still be on their way to the SuperNode (flower_exec.py)
 
 
-def read_task() -> dict | None:
-    """The task handed to this worker (None when stdin ends first)."""
-    line = sys.stdin.readline()
-    return json.loads(line) if line.strip() else None
+def _event(fd: int, line: str) -> None:
+    os.write(fd, line.encode() + b"\n")
+
+
+def _reap(events: int) -> None:
+    """Report every worker that ended since the last call."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        _event(events, f"exit {pid} {os.waitstatus_to_exitcode(status)}")
+
+
+def fork_safety() -> str | None:
+    """Why forking now would be unsafe (another thread alive, Python's or native), or None."""
+    if threading.active_count() > 1:
+        names = ", ".join(t.name for t in threading.enumerate() if t is not threading.current_thread())
+        return f"{threading.active_count()} Python threads ({names})"
+    try:
+        native = len(os.listdir("/proc/self/task"))
+    except OSError:  # no /proc: Python's count is what there is
+        return None
+    return f"{native} threads (a library started native ones)" if native > 1 else None
+
+
+def _become_worker(events: int) -> None:
+    """In a just-forked worker: drop the parent's channels, reseed what a fork copies."""
+    os.close(events)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+
+
+def fork_per_task(events: int) -> dict | None:
+    """The parent's loop: fork a worker per task line on stdin. Returns only in a worker, with its
+    task; in the parent, None once stdin ends (or refuses to fork: `unsafe` on `events`)."""
+    pending = b""
+    try:
+        while True:
+            _reap(events)
+            readable, _, _ = select.select([0], [], [], REAP_EVERY_S)
+            if not readable:
+                continue
+            chunk = os.read(0, 1 << 16)
+            if not chunk:
+                return None
+            pending += chunk
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                task = json.loads(line)
+                unsafe = fork_safety()
+                if unsafe is not None:
+                    _event(events, f"unsafe {unsafe}")
+                    return None
+                pid = os.fork()
+                if pid == 0:
+                    _become_worker(events)
+                    return task
+                _event(events, f"forked {task['task_id']} {pid}")
+    except KeyboardInterrupt:  # the site is being stopped (its process group got Ctrl-C)
+        return None
 
 
 def serve(task: dict) -> None:
@@ -52,7 +130,7 @@ def serve(task: dict) -> None:
     from federation.ops import flower_exec as fx
     from federation.protocol.message_cost import TASK_START_ENV
 
-    os.environ[TASK_START_ENV] = repr(time.time())  # the message's cost starts here (message_cost.py)
+    os.environ[TASK_START_ENV] = repr(task.get("handed_at", time.time()))  # the message's cost starts here
     fx.run_clientapp(
         runtime_api_address=task["runtime_api_address"], token=task["token"], insecure=task["insecure"],
         certificates=fx.validate_and_resolve_root_certificates(task["root_certificates_path"], task["insecure"]),
@@ -60,17 +138,15 @@ def serve(task: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Warm up, say ready, serve the one task handed over (none: exit quietly)."""
-    ap = argparse.ArgumentParser(description="a warm ClientApp worker (started by the warm executor)")
-    ap.add_argument("--ready-fd", type=int, required=True, help="where to write `ready` once warm")
+    """Warm up, say ready, fork a worker per task; a worker serves its task."""
+    ap = argparse.ArgumentParser(description="the warm ClientApp parent (started by the warm executor)")
+    ap.add_argument("--events-fd", type=int, required=True, help="where to write `ready`, forks and exits")
     args = ap.parse_args(argv)
     warm_up()
-    os.write(args.ready_fd, b"ready\n")
-    os.close(args.ready_fd)
-    task = read_task()
-    if task is None:
-        return 0
-    serve(task)
+    _event(args.events_fd, "ready")
+    task = fork_per_task(args.events_fd)
+    if task is not None:
+        serve(task)
     return 0
 
 

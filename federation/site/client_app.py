@@ -1,8 +1,9 @@
 """The ClientApp: a bare call to the site's trainer, wrapped in Flower mods.
 
-Each message is served by a process of its own (a warm worker that imported this module before the
-message came, federation/ops/warm_executor.py, or with Flower's executor a fresh `flwr-clientapp`),
-so nothing here is long-lived and torch is never imported: the trainer is the site trainer service, reached over a Unix socket with tensors in
+Each message is served by a process of its own (a worker forked from a warm parent that imported
+this module before the message came, federation/ops/warm_executor.py, or with Flower's executor a
+fresh `flwr-clientapp`), so nothing here is long-lived and torch is never imported: the trainer is
+the site trainer service, reached over a Unix socket with tensors in
 shared memory (trainer_call.py). Each concern of the site is one mod, outermost first:
 
   SiteScope         one SiteEnv per message (keys, settings, round config, trainer, store), relay_s
