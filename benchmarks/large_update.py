@@ -60,6 +60,7 @@ from benchmarks.round_latency import run_flower  # noqa: E402
 from federation.ops import launcher  # noqa: E402
 
 KINDS = (("flwr-serverapp", "coordinator"), ("flower-superlink", "superlink"), ("flower-supernode", "supernode"),
+         ("federation.ops.supernode_main", "supernode"), ("federation.ops.warm_worker", "clientapp"),
          ("flwr-clientapp", "clientapp"), ("site_trainer", "trainer"))
 
 

@@ -95,7 +95,8 @@ def site_rank_pids(marker: str, site: str, node: int = 0) -> list[int]:
 def supernode_pids(marker: str, site: str) -> list[int]:
     """The SuperNode process of `site` (its group also holds its SuperExec and ClientApps)."""
     needle = f'site-id="{site}"'.encode()
-    return _marked_where(marker, lambda args: any(a.endswith(b"flower-supernode") for a in args[:2])
+    return _marked_where(marker, lambda args: (any(a.endswith(b"flower-supernode") for a in args[:2])
+                                               or b"federation.ops.supernode_main" in args[:3])
                          and any(needle in a for a in args))
 
 

@@ -71,6 +71,8 @@ def test_warm_workers_serve_every_message_and_survive_kills(tmp_path, marker):
     try:
         wait_for_stage(hook, 2, "train", alive=lambda: proc.poll() is None)
         pids = json.loads((run / "pids.json").read_text())
+        # the sites' SuperNodes ask for their next message soon after a reply (federation/ops/supernode_main.py)
+        assert b"federation.ops.supernode_main" in Path(f"/proc/{pids['site-wa-supernode']}/cmdline").read_bytes()
         a_log, b_log = (run / "logs" / f"site-{s}-superexec.log" for s in ("wa", "wb"))
         idle_a = sorted(set(parents_of(pids["site-wa-superexec"])) - set(handed(a_log)))
         assert idle_a, "site a's SuperExec has no warm parent"
@@ -114,6 +116,7 @@ def test_warm_workers_serve_every_message_and_survive_kills(tmp_path, marker):
         assert re.search(rf"parent \(pid {pid}\) exited with code -9( before it was ready)?.*; starting another", a_text)
     assert re.search(rf"worker \(pid {busy}\) serving task \d+ exited with code -9", b_text), b_text[-3000:]
     assert "cannot start" not in a_text + b_text
+    assert "sleeps as Flower ships it" not in (run / "logs" / "site-wa-supernode.log").read_text(errors="replace")
     assert len(set(handed(a_log))) == len(handed(a_log))  # one task per worker
     assert not set(handed(a_log)) & set(idle_a)  # parents fork, never serve
     assert live_marked(marker) == []

@@ -17,6 +17,7 @@ from crypto.secagg import SecAggConfig
 from federation.config.attestation_config import AttestationConfig
 from federation.config.restart_config import SiteRestarts
 from federation.config.strict import StrictModel
+from federation.config.supernode_polls import SupernodePolls
 from federation.protocol.codecs import CodecError, parse_codec_config, validate_for_protection
 from site_trainer.config import SiteConfig, WorkloadConfig, check_privacy_workload
 from tracking.config import TrackingConfig
@@ -133,6 +134,9 @@ class FederationConfig(StrictModel):
                                  "of its messages (imports done); each message is served by a worker forked from "
                                  "one. More than 1 only keeps a spare while a killed parent is replaced. "
                                  "0: Flower's own executor, a fresh process per message")
+    supernode_polls: SupernodePolls = Field(default_factory=SupernodePolls, description="how soon each site's "
+                                            "SuperNode asks for its next message after a reply "
+                                            "(federation/config/supernode_polls.py)")
     data_path: DataPath = Field(default_factory=DataPath, description="the bulk data path beside Flower")
     receive_workers: int = Field(3, ge=1, le=32, description="SecAgg+ masked replies the coordinator checks and "
                                  "adds at once, each on a thread of its own, while it pulls the next; it holds at "

@@ -152,7 +152,7 @@ def cmd_site(args: argparse.Namespace) -> int:
         launcher.watch_site_node(guard, sup, site, args.superlink, sock, bundle, args.insecure,
                                  {**launcher.site_attestation_config(cfg, site.id, workdir),
                                   **launcher.site_policy_config(cfg, site.id, workdir), **data},
-                                 cfg.federation.warm_clientapps)
+                                 cfg.federation.warm_clientapps, polls=cfg.federation.supernode_polls)
         if cfg.federation.site_restarts.link_watch:
             guard.watch_link(f"site {site.id}: SuperNode", args.superlink)
         print(f"site {site.id}: SuperNode connected to {args.superlink}; Ctrl-C to stop")

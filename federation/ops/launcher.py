@@ -26,6 +26,7 @@ from crypto.audit import LOG_NAME
 from crypto.pki import provision
 from federation.config import resolve
 from federation.config.schema import ExperimentConfig, load_config
+from federation.config.supernode_polls import SUPERNODE_POLLS_ENV, SupernodePolls
 from federation.ops.run_dir import prepare_workdir
 from federation.ops.supervisor import (  # noqa: F401 (re-exported: launcher.Supervisor etc.)
     MARKER, OWNER, LaunchError, Proc, Supervisor, _bin, free_port, marked_pids, tail)
@@ -110,14 +111,17 @@ def start_trainer(sup: Supervisor, site: SiteConfig, cfg: ExperimentConfig, sock
 
 def start_supernode(sup: Supervisor, site: SiteConfig, superlink: str, socket_path: str,
                     bundle: Path | None = None, insecure: bool = False,
-                    extra_node_config: dict[str, str] | None = None, runtime_port: int | None = None) -> Proc:
+                    extra_node_config: dict[str, str] | None = None, runtime_port: int | None = None,
+                    polls: SupernodePolls | None = None) -> Proc:
     """With `bundle` (the site's provisioned directory) the ClientApp signs (and seals) updates
     with its keys and, unless `insecure`, the SuperNode uses TLS verified against the federation
     CA and authenticates with its provisioned key.
     `extra_node_config` adds `key="value"` pairs (site-local settings the ClientApp reads).
     With `runtime_port` the SuperNode serves its Runtime API there and starts no SuperExec of its
     own (`--isolation process`): start_superexec's serves it; without, Flower's SuperExec starts a
-    fresh `flwr-clientapp` process per message."""
+    fresh `flwr-clientapp` process per message.
+    With `polls` enabled (federation.supernode_polls) it runs as federation/ops/supernode_main.py,
+    asking for its next message soon after each reply; without, as Flower ships it."""
     cfg = {"site-id": site.id, "trainer-socket": socket_path}
     if bundle is not None:
         cfg["bundle-dir"] = str(bundle)
@@ -126,10 +130,12 @@ def start_supernode(sup: Supervisor, site: SiteConfig, superlink: str, socket_pa
         raise LaunchError(f"site {site.id}: TLS needs the site's provisioned bundle (or an explicit --insecure)")
     security = ["--insecure"] if insecure else [
         "--root-certificates", str(bundle / "ca.crt"), "--auth-supernode-private-key", str(bundle / "supernode_auth.key")]
+    prompt = polls is not None and polls.enabled
+    program = [sys.executable, "-m", "federation.ops.supernode_main"] if prompt else [_bin("flower-supernode")]
     return sup.start(f"site-{site.id}-supernode", [
-        _bin("flower-supernode"), *security, "--superlink", superlink, "--port", str(runtime_port or free_port()),
+        *program, *security, "--superlink", superlink, "--port", str(runtime_port or free_port()),
         *(["--isolation", "process"] if runtime_port else []), "--node-config", node_config, "--max-wait-time", "600",
-    ], extra_env=superexec_poll_env())
+    ], extra_env={**superexec_poll_env(), **({SUPERNODE_POLLS_ENV: polls.model_dump_json()} if prompt else {})})
 
 
 def start_superexec(sup: Supervisor, site_id: str, runtime_port: int, parents: int) -> Proc:
@@ -142,13 +148,14 @@ def start_superexec(sup: Supervisor, site_id: str, runtime_port: int, parents: i
 
 
 def watch_site_node(guard, sup: Supervisor, site: SiteConfig, superlink: str, socket_path: str,
-                    bundle: Path | None, insecure: bool, extra_node_config: dict[str, str], warm: int) -> Proc:
+                    bundle: Path | None, insecure: bool, extra_node_config: dict[str, str], warm: int,
+                    polls: SupernodePolls | None = None) -> Proc:
     """A site's SuperNode under its supervisor and, with `warm` > 0 (federation.warm_clientapps),
     the warm SuperExec beside it, on a Runtime API port kept across SuperNode restarts (the
     SuperExec outlives them); its SuperNode Proc."""
     port = free_port() if warm else None
     node = guard.watch_supernode(site.id, partial(start_supernode, sup, site, superlink, socket_path, bundle, insecure,
-                                                  extra_node_config, runtime_port=port),
+                                                  extra_node_config, runtime_port=port, polls=polls),
                                  superlink, None if insecure else bundle)
     if port is not None:
         guard.watch_superexec(site.id, partial(start_superexec, sup, site.id, port), warm)
@@ -390,7 +397,8 @@ def simulate(config_path: str | Path, workdir: str | Path | None = None,
             s_data = site_tap(s.id, data) if site_tap and data else data
             watch_site_node(guard, sup, s, s_dial, sockets[s.id], pki / "sites" / s.id, insecure,
                             {**site_att[s.id], **({"data-address": s_data} if s_data else {}),
-                             **(node_config or {}).get(s.id, {})}, cfg.federation.warm_clientapps)
+                             **(node_config or {}).get(s.id, {})}, cfg.federation.warm_clientapps,
+                            polls=cfg.federation.supernode_polls)
         result = watch_run(sup, [superlink, run], run_deadline(cfg), progress, tick=guard.tick)
     finally:
         sup.close()

@@ -1,0 +1,116 @@
+"""Flower's SuperNode, asking for its next message soon after each reply: `python -m federation.ops.supernode_main`.
+
+flwr 1.41's SuperNode (flwr/supernode/start_client_internal.py) pulls a message from its
+SuperLink, hands it to a ClientApp, checks every 0.5 s whether the reply is there, pushes it and
+pulls again; a pull that finds nothing is followed by a 3 s sleep. Both sleeps are hard-coded. In
+a round a site's next message (the next stage, the next round) is sent soon after its reply, once
+the other sites have replied too, so it finds the SuperNode asleep: each message waits 1.5 s on
+average, up to 3 s, before the site even sees it.
+
+This module runs Flower's own SuperNode, same arguments, same code, with those sleeps changed
+in its process only, as `federation.supernode_polls` sets them (passed in SUPERNODE_POLLS_ENV):
+- after each reply it pushed, the sleep after an empty pull starts at `first_s` and grows by
+  `growth` per empty pull up to Flower's 3 s: a message sent t seconds after the reply waits
+  at most about t x (growth - 1) more, and a site left idle costs its SuperLink a few more pulls
+  and then what it always did;
+- the reply check, and the wait for a reply's content, sleep `reply_check_s`, not 0.5 s (each is
+  a look at the SuperNode's own memory).
+A message object not yet at the SuperLink is still asked for again as Flower does (1 s, backing
+off to 10 s): those requests cross the link to the SuperLink, and asking sooner loads it while
+the ServerApp is still pushing.
+The sleeps are reached through the module's `time` and `_push_messages`, both looked up when
+called; `differences()` says when an installed flwr's code no longer has them, and the SuperNode
+then runs as Flower ships it, said in one line. Without SUPERNODE_POLLS_ENV it runs unchanged.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import os
+import sys
+import time
+
+from federation.config.supernode_polls import (FLOWER_IDLE_SLEEP_S, FLOWER_REPLY_CHECK_S, SUPERNODE_POLLS_ENV,
+                                               SupernodePolls)
+
+MODULE = "flwr.supernode.start_client_internal"
+
+
+class PromptClock:
+    """What Flower's SuperNode module sees as `time`: the real module, but for its two sleeps."""
+
+    def __init__(self, polls: SupernodePolls):
+        self.polls = polls
+        self.next_idle_s = float(FLOWER_IDLE_SLEEP_S)
+
+    def __getattr__(self, name: str):
+        return getattr(time, name)
+
+    def replied(self) -> None:
+        """A reply was pushed: the next message is likely soon."""
+        self.next_idle_s = self.polls.first_s
+
+    def sleep(self, seconds: float) -> None:
+        if seconds == FLOWER_IDLE_SLEEP_S:
+            seconds = self.next_idle_s
+            self.next_idle_s = min(float(FLOWER_IDLE_SLEEP_S), self.next_idle_s * self.polls.growth)
+        elif seconds == FLOWER_REPLY_CHECK_S:
+            seconds = self.polls.reply_check_s
+        time.sleep(seconds)
+
+
+def differences(module=None) -> list[str]:
+    """What in the installed flwr's SuperNode differs from what this module changes (empty: nothing)."""
+    module = module or importlib.import_module(MODULE)
+    out = []
+    if getattr(module, "time", None) is not time:
+        out.append(f"{MODULE} has no module-level `time`")
+    for fn, needles in (("start_client_internal", (f"time.sleep({FLOWER_IDLE_SLEEP_S})", "_push_messages(")),
+                        ("_push_messages", (f"time.sleep({FLOWER_REPLY_CHECK_S})",))):
+        try:
+            source = inspect.getsource(getattr(module, fn))
+        except (AttributeError, OSError, TypeError):
+            out.append(f"{MODULE} has no function {fn}")
+            continue
+        out += [f"{MODULE}.{fn} no longer calls {needle}" for needle in needles if needle not in source]
+    return out
+
+
+def apply(polls: SupernodePolls, module=None) -> PromptClock:
+    """Change the SuperNode's sleeps in this process (module docstring)."""
+    module = module or importlib.import_module(MODULE)
+    clock = PromptClock(polls)
+    push = module._push_messages
+
+    def push_and_note(*args, **kwargs):
+        try:
+            return push(*args, **kwargs)
+        finally:
+            clock.replied()
+
+    module.time = clock
+    module._push_messages = push_and_note
+    return clock
+
+
+def main() -> None:
+    """Apply the polls from SUPERNODE_POLLS_ENV (if the flwr allows), then run Flower's SuperNode."""
+    from flwr.supernode.cli import flower_supernode
+
+    raw = os.environ.get(SUPERNODE_POLLS_ENV)
+    polls = SupernodePolls.model_validate(json.loads(raw)) if raw else SupernodePolls(enabled=False)
+    if polls.enabled:
+        diff = differences()
+        if diff:
+            print(f"sovfl supernode: the SuperNode sleeps as Flower ships it (3 s after an empty pull): "
+                  f"{'; '.join(diff)}", file=sys.stderr, flush=True)
+        else:
+            apply(polls)
+    sys.argv[0] = "flower-supernode"
+    flower_supernode()
+
+
+if __name__ == "__main__":
+    main()
