@@ -53,6 +53,7 @@ class PromptClock:
         self.next_idle_s = self.polls.first_s
 
     def sleep(self, seconds: float) -> None:
+        """Flower's idle sleep as the schedule after a reply says, its reply check shortened, others kept."""
         if seconds == FLOWER_IDLE_SLEEP_S:
             seconds = self.next_idle_s
             self.next_idle_s = min(float(FLOWER_IDLE_SLEEP_S), self.next_idle_s * self.polls.growth)

@@ -27,6 +27,7 @@ class WarmParent:
 
     @classmethod
     def start(cls, argv: Sequence[str]) -> WarmParent:
+        """Start `argv` (the parent's program) with its event pipe's write end as `--events-fd`."""
         r, w = os.pipe()
         env = {**os.environ, **ONE_THREAD_ENV}
         try:
@@ -40,6 +41,7 @@ class WarmParent:
 
     @property
     def pid(self) -> int:
+        """The parent's process id (its workers have their own)."""
         return self.popen.pid
 
     def alive(self) -> bool:
@@ -90,6 +92,7 @@ class WarmParent:
         return self.forked.pop(task_id, None)
 
     def take_exits(self) -> list[tuple[int, int]]:
+        """The (worker pid, exit code) pairs reported since the last call."""
         exits, self.exits = self.exits, []
         return exits
 
