@@ -20,8 +20,11 @@ kept in the medians (both sides pay it).
 
     .venv/bin/python benchmarks/round_latency.py [--rounds 5] [--sites 3] [--hidden 64] [--warm-clientapps N]
 
-Flower's side always runs Flower's own executor (a fresh `flwr-clientapp` per message); ours runs
-the warm ClientApp executor (federation.warm_clientapps), or Flower's with `--warm-clientapps 0`.
+Flower's side always runs Flower's own executor (a fresh `flwr-clientapp` per message) and its
+SuperNodes as Flower ships them (a 3 s sleep after an empty pull, a 0.5 s reply check: flwr has no
+setting for either); ours runs the warm ClientApp executor (federation.warm_clientapps), or
+Flower's with `--warm-clientapps 0`, and its SuperNodes through federation/ops/supernode_main.py
+(federation.supernode_polls: the sleep short after each reply, the reply check at 0.05 s).
 
 Our messages are also split into their parts (federation/protocol/message_cost.py: launch,
 startup with our own imports, handler, return), median over every site's message of rounds 2+.

@@ -10,9 +10,9 @@ average, up to 3 s, before the site even sees it.
 This module runs Flower's own SuperNode, same arguments, same code, with those sleeps changed
 in its process only, as `federation.supernode_polls` sets them (passed in SUPERNODE_POLLS_ENV):
 - after each reply it pushed, the sleep after an empty pull starts at `first_s` and grows by
-  `growth` per empty pull up to Flower's 3 s: a message sent t seconds after the reply waits
-  at most about t x (growth - 1) more, and a site left idle costs its SuperLink a few more pulls
-  and then what it always did;
+  `growth` per empty pull up to Flower's 3 s: a message sent t seconds after the reply waits at
+  most `first_s` + t x (growth - 1) for the next pull, and a site left idle costs its SuperLink a
+  few more pulls, then what it always did;
 - the reply check, and the wait for a reply's content, sleep `reply_check_s`, not 0.5 s (each is
   a look at the SuperNode's own memory).
 A message object not yet at the SuperLink is still asked for again as Flower does (1 s, backing
