@@ -168,7 +168,7 @@ class WarmClientAppExecutor:
                     self.busy[pid] = (parent, spec.task_id)
                     self.served["warm"] += 1
                     return fx.LaunchResult.accepted()
-                if parent.alive() and parent.unsafe is None:  # hung: replaced like a dead one
+                if parent.alive():  # hung: replaced like a dead one
                     self.log(f"a warm parent (pid {parent.pid}) forked no worker within {self.fork_timeout_s:g}s; "
                              "stopping it")
                     parent.popen.kill()

@@ -45,8 +45,8 @@ class WarmParent:
         return self.popen.pid
 
     def alive(self) -> bool:
-        """Running and still talking (its event pipe open)."""
-        return self.popen.poll() is None and self.events >= 0
+        """Running, still talking (its event pipe open) and willing to fork."""
+        return self.popen.poll() is None and self.events >= 0 and self.unsafe is None
 
     def read(self, timeout_s: float = 0.0) -> None:
         """Take what the parent wrote, waiting up to `timeout_s` for something."""
