@@ -9,6 +9,7 @@ saves, from every rank, `<case>/rank<r>/<name>` arrays:
 
 from __future__ import annotations
 
+import faulthandler
 import sys
 
 import numpy as np
@@ -23,6 +24,7 @@ from dp_cases import NOISE, clip_case
 
 
 def main(out_path: str, workdir: str) -> None:
+    faulthandler.enable()  # a native abort (SIGABRT) prints every thread's Python stack to stderr
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -74,9 +75,18 @@ def two_ranks(tmp_path_factory):
     out = tmp / "out.npz"
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(ROOT / "tests" / "dp_worker.py"), str(out), str(tmp)],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    def run() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                               str(ROOT / "tests" / "dp_worker.py"), str(out), str(tmp)],
+                              capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+
+    proc = run()
+    if proc.returncode != 0 and "terminate called without an active exception" in proc.stderr:
+        # An occasional native abort inside torch's gloo ranks (no Python error before it, seen about
+        # once in ten runs on a loaded 2-core machine); the stacks faulthandler printed say where.
+        # Once more, and the first run's output is kept in the warning.
+        warnings.warn(f"the 2-rank DP run aborted natively once; run again. Its stderr:\n{proc.stderr[-5000:]}")
+        proc = run()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     data = {}
     for r in (0, 1):
