@@ -74,7 +74,8 @@ SEEDED = {"SOVFL_TEST_CODEC_SITE_SEED": "7"}
 KINDS = ("coordinator", "supernode", "rank")
 SITE_KILLS_STOP = 5  # no site kill once fewer rounds than this are left
 TARGETS = ("aggregate", "checkpoint")  # brief stages a random moment seldom hits: held there by the stage hook
-LAST_ROUND_STAGE = "secagg stage"  # an attempt without a target is held entering its last round (see wait_back)
+LAST_ROUND_STAGE = "round start"  # an attempt without a target is held entering its last round, before the
+# round asks its sites for anything (late joiners, SecAgg+ setups): see wait_back
 
 
 def config(directory: Path, rounds: int) -> Path:

@@ -54,6 +54,7 @@ from federation.coordinator.run_observers import run_observers
 from federation.coordinator.strategy import Exchange, ExchangeResult, RoundInput, RoundOutcome, Site, Strategy
 from federation.protocol import message_cost
 from federation.protocol import message_keys as keys
+from federation.protocol import testing_hooks
 from federation.protocol.codecs import Arrays
 from federation.protocol.wire_dtypes import WireCopy, to_master
 
@@ -220,6 +221,7 @@ class Coordinator:
         """Sample, prepare and admit, run the round strategy (with what rides on it), apply the mean
         update and checkpoint; the round's metrics line (without downlink figures)."""
         t0 = time.monotonic()
+        testing_hooks.stage_entered("round start", rnd=rnd)  # inert unless a test sets SOVFL_TEST_STAGE_HOOK
         names = sample(self.cfg, rnd)
         timing: dict = {"stages": []}
         for hook in self.hooks:
