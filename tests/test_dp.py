@@ -82,9 +82,9 @@ def two_ranks(tmp_path_factory):
 
     proc = run()
     if proc.returncode != 0 and "terminate called without an active exception" in proc.stderr:
-        # An occasional native abort inside torch's gloo ranks (no Python error before it, seen about
-        # once in ten runs on a loaded 2-core machine); the stacks faulthandler printed say where.
-        # Once more, and the first run's output is kept in the warning.
+        # An occasional native abort inside torch's gloo ranks (no Python error before it); the
+        # stacks faulthandler printed say where. Once more, and the first run's output is kept in
+        # the warning.
         warnings.warn(f"the 2-rank DP run aborted natively once; run again. Its stderr:\n{proc.stderr[-5000:]}")
         proc = run()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

@@ -84,7 +84,7 @@ class WarmParent:
         except OSError:  # BrokenPipeError: it exited since it said ready
             return None
         end = time.monotonic() + timeout_s
-        while task_id not in self.forked and self.alive() and self.unsafe is None:
+        while task_id not in self.forked and self.alive():
             left = end - time.monotonic()
             if left <= 0:
                 return None
