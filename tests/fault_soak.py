@@ -4,13 +4,15 @@
     .venv/bin/python tests/fault_soak.py --kills 4 --rounds 6 --seed 1
 
 A `sovfl simulate` run (3 sites, digits, SecAgg+ with threshold 2, the int8 codec with error
-feedback) is SIGKILLed by a schedule drawn from --seed, at random moments of its rounds, whatever it
-is doing (a SecAgg stage, the train stage, aggregation, the checkpoint write, the metrics line); each
-kill line names the stage the coordinator entered last (stages are announced on entry). Aggregation and the checkpoint write last
-milliseconds, which a random moment seldom hits, so in a share of the attempts (--target-share) the
-coordinator kill is aimed at one of them: the ServerApp's stage hook (federation/protocol/
-testing_hooks.py) holds it on entering that stage of a round drawn from the seed, and it is killed
-there. Each kill hits one of:
+feedback) is SIGKILLed by a schedule drawn from --seed. A coordinator kill lands at a random moment
+of its rounds, whatever it is doing (a SecAgg stage, the train stage, aggregation, the checkpoint
+write, the metrics line); each kill line names the stage the coordinator entered last (stages are
+announced on entry). Aggregation and the checkpoint write last milliseconds, which a random moment
+seldom hits, so in a share of the attempts (--target-share) the coordinator kill is aimed at one of
+them: the ServerApp's stage hook (federation/protocol/testing_hooks.py) holds it on entering that
+stage of a round drawn from the seed, and it is killed there. A site kill lands as the coordinator
+enters a stage drawn from the seed (SITE_STAGES) of the round after the last one completed, so the
+schedule a seed draws is the same however fast the rounds run. Each kill hits one of:
 - the coordinator (ServerApp, SuperLink and SuperExec): the run goes on with `sovfl simulate --resume`;
 - a site's SuperNode, or one of a site's trainer ranks: nothing is done by hand, the run's site
   supervisor restarts it (federation/ops/site_supervisor.py; ranks resume from the site's local
@@ -74,6 +76,7 @@ SEEDED = {"SOVFL_TEST_CODEC_SITE_SEED": "7"}
 KINDS = ("coordinator", "supernode", "rank")
 SITE_KILLS_STOP = 5  # no site kill once fewer rounds than this are left
 TARGETS = ("aggregate", "checkpoint")  # brief stages a random moment seldom hits: held there by the stage hook
+SITE_STAGES = ("round start", "secagg stage 3", "secagg stage 4")  # where a site kill lands (on entry, not held)
 LAST_ROUND_STAGE = "round start"  # an attempt without a target is held entering its last round, before the
 # round asks its sites for anything (late joiners, SecAgg+ setups): see wait_back
 
@@ -146,12 +149,13 @@ def round_seconds(run: Path) -> float:
     return float(np.mean(times)) if times else 8.0
 
 
-def held(hook: Path, since: int, target: tuple[int, str], proc: subprocess.Popen, timeout_s: float) -> bool:
-    """Wait until this attempt's coordinator announces entering `target` (round, stage), where the
-    stage hook holds it; False if it exits or does not get there within `timeout_s`."""
+def entered(hook: Path, since: int, target: tuple[int, str], proc: subprocess.Popen, timeout_s: float) -> bool:
+    """Wait until this attempt's coordinator announces entering `target` (round, stage prefix), where
+    the stage hook holds it if it is the attempt's pause; False if it exits or does not get there
+    within `timeout_s`."""
     end = time.monotonic() + timeout_s
     while proc.poll() is None and time.monotonic() < end:
-        if any(e["round"] == target[0] and e["stage"] == target[1] for e in stage_entries(hook)[since:]):
+        if any(e["round"] == target[0] and e["stage"].startswith(target[1]) for e in stage_entries(hook)[since:]):
             return True
         time.sleep(0.1)
     return False
@@ -226,10 +230,17 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.05)
         next_attempt = False
         while proc.poll() is None and not next_attempt and sum(counts.values()) < args.kills:
-            time.sleep(float(rng.uniform(0.0, 1.5 * round_seconds(run))))
             kind = str(rng.choice(KINDS, p=[1 - 2 * share, share, share])) if target is None else "coordinator"
             site = str(rng.choice(SITES))
-            is_held = target is not None and held(hook, since, target, proc, 3 * round_seconds(run) + 120)
+            if kind != "coordinator":
+                done_before = rounds_done(run)
+                aim = ((done_before[-1] if done_before else 0) + 1, str(rng.choice(SITE_STAGES)))
+                if aim[0] - 1 > args.rounds - stop:
+                    continue  # too late: the site could not show it is back
+                entered(hook, since, aim, proc, 3 * round_seconds(run) + 120)
+            elif target is None:
+                time.sleep(float(rng.uniform(0.0, 1.5 * round_seconds(run))))
+            is_held = target is not None and entered(hook, since, target, proc, 3 * round_seconds(run) + 120)
             if target is not None and not is_held:
                 print(f"fault soak: the coordinator did not enter round {target[0]} {target[1]}; killing it where it is",
                       flush=True)

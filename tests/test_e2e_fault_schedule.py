@@ -1,8 +1,8 @@
 """End to end: a short seeded fault schedule, the one `make soak` runs long (tests/fault_soak.py).
 
 Two SIGKILLs drawn from a fixed seed land in a 4-round digits run with SecAgg+ (threshold 2 of 3
-sites) and the int8 codec with error feedback, at random moments or, for some coordinator kills,
-held in aggregation or the checkpoint write: the coordinator (ServerApp, SuperLink and SuperExec,
+sites) and the int8 codec with error feedback, at a random moment or held in aggregation or the
+checkpoint write for the coordinator, as the coordinator enters a drawn stage for a site: the coordinator (ServerApp, SuperLink and SuperExec,
 then `sovfl simulate --resume`), a site's SuperNode or one of its trainer ranks (restarted by the
 run's site supervisor). The script then runs the reference, uninterrupted,
 with each site sitting out the rounds it missed, and compares the final global models bit for bit.
@@ -22,10 +22,11 @@ from conftest import ROOT, _env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow(seconds=250)]
 
-# its schedule: the coordinator, held on entering round 1's checkpoint write, then madrid's SuperNode
-# in round 2's SecAgg stage 3; madrid misses round 2 (the messages of round 2 that asked for its
-# setup of round 3 failed while it was down, so the query before round 3 asks again) and
-# contributes again in round 3 or, if its SuperNode is not back by then, in round 4
+# its schedule, the same however fast rounds run (site kills land on a stage's entry): the
+# coordinator, held on entering round 1's checkpoint write (the run resumes from round 0), then
+# berlin's SuperNode as the resumed run enters round 1's SecAgg stage 4; berlin misses the unmask
+# (its masked input is unmasked from the other two sites' shares) and the rounds it is down for,
+# is asked for its setup again once back, and contributes again by round 4, which waits for it
 SEED = 48
 
 

@@ -19,6 +19,7 @@ from federation.protocol.malloc_policy import return_freed_tensors
 from federation.coordinator.bulk_server import BulkServer
 from federation.coordinator.checkpoint import CheckpointError
 from federation.coordinator.driver import Coordinator, FederationFailed
+from federation.coordinator.pack_grid import PackGrid
 from federation.coordinator.privacy_summary import privacy_by_site
 from federation.coordinator.run_record import record_workload
 
@@ -108,7 +109,7 @@ def main(grid: Grid, context: Context) -> None:
         resume = str(context.run_config.get("resume", "")).lower() == "true"
         starting = float(context.run_config.get("sites-starting-s", 0) or 0)  # `sovfl simulate` starts sites alongside
         bulk = data_path(str(context.run_config.get("data-address") or ""), bundle, workdir, progress)
-        coordinator = Coordinator(grid, cfg, workdir, context.run_id, initial, progress, bundle, manifest,
+        coordinator = Coordinator(PackGrid(grid), cfg, workdir, context.run_id, initial, progress, bundle, manifest,
                                   sites_starting_s=starting, bulk=bulk)
         del initial  # the coordinator holds the model; the round-0 copy must not outlive round 1
         result = coordinator.run(resume=resume)

@@ -19,6 +19,8 @@ import importlib
 import inspect
 from importlib.metadata import version
 
+from federation.config.supernode_polls import FLOWER_OBJECT_WAIT_S
+
 
 class FlowerInternalsChanged(RuntimeError):
     """The installed flwr is not the one the warm executor was written against."""
@@ -47,7 +49,6 @@ except ImportError as _err:  # a name moved: say which, not a bare ImportError d
                                  f"{version('flwr')} no longer has: {_err}. {HINT}") from _err
 
 FLWR_VERSION = "1.41.0"  # the flwr whose internals this module was written against (pyproject pins it)
-FLOWER_OBJECT_WAIT_S = 5000.0  # about how long flwr's ClientApp waits for one message object (500 tries, 1-10 s apart)
 
 # What the executor reads and calls, as that flwr has it.
 EXECUTION_SPEC_FIELDS = ("task_type", "runtime_api_address", "token", "insecure", "root_certificates_path",

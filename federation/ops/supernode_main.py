@@ -15,16 +15,22 @@ in its process only, as `federation.supernode_polls` sets them (passed in SUPERN
   few more pulls, then what it always did;
 - the reply check, and the wait for a reply's content, sleep `reply_check_s`, not 0.5 s (each is
   a look at the SuperNode's own memory).
-A message object not yet at the SuperLink is still asked for again as Flower does (1 s, backing
-off to 10 s): those requests cross the link to the SuperLink, and asking sooner loads it while
-the ServerApp is still pushing.
-The sleeps are reached through the module's `time` and `_push_messages`, both looked up when
-called; `differences()` says when an installed flwr's code no longer has them, and the SuperNode
-then runs as Flower ships it, said in one line. Without SUPERNODE_POLLS_ENV it runs unchanged.
+- a message object not at the SuperLink yet is asked for again after `object_retry_s`, the wait
+  doubling up to `object_retry_cap_s` (Flower: 1 s doubling to 10 s). The SuperLink hands out a
+  message as soon as the coordinator registered it, while the coordinator still pushes the
+  stage's objects (two at a time, flwr's http_grid), so a prompt SuperNode finds some of them
+  missing; with Flower's 1 s it then waits most of a second for an object that arrives within a
+  tenth. The extra asks last only while a push is under way (a few per message), and an object
+  still missing after that is asked for no more often than every cap.
+The sleeps are reached through the module's `time`, `_push_messages` and `pull_objects`, each
+looked up when called; `differences()` says when an installed flwr's code no longer has them,
+and the SuperNode then runs as Flower ships it, said in one line. Without SUPERNODE_POLLS_ENV it
+runs unchanged.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import json
@@ -32,8 +38,8 @@ import os
 import sys
 import time
 
-from federation.config.supernode_polls import (FLOWER_IDLE_SLEEP_S, FLOWER_REPLY_CHECK_S, SUPERNODE_POLLS_ENV,
-                                               SupernodePolls)
+from federation.config.supernode_polls import (FLOWER_IDLE_SLEEP_S, FLOWER_OBJECT_WAIT_S, FLOWER_REPLY_CHECK_S,
+                                               SUPERNODE_POLLS_ENV, SupernodePolls)
 
 MODULE = "flwr.supernode.start_client_internal"
 
@@ -68,7 +74,11 @@ def differences(module=None) -> list[str]:
     out = []
     if getattr(module, "time", None) is not time:
         out.append(f"{MODULE} has no module-level `time`")
-    for fn, needles in (("start_client_internal", (f"time.sleep({FLOWER_IDLE_SLEEP_S})", "_push_messages(")),
+    pull = getattr(module, "pull_objects", None)
+    if pull is None or not {"initial_backoff", "backoff_cap", "max_tries_per_object"} <= set(_params(pull)):
+        out.append(f"{MODULE}.pull_objects does not take initial_backoff, backoff_cap and max_tries_per_object")
+    for fn, needles in (("_pull_and_store_message", ("pull_objects(",)),
+                        ("start_client_internal", (f"time.sleep({FLOWER_IDLE_SLEEP_S})", "_push_messages(")),
                         ("_push_messages", (f"time.sleep({FLOWER_REPLY_CHECK_S})",))):
         try:
             source = inspect.getsource(getattr(module, fn))
@@ -93,7 +103,17 @@ def apply(polls: SupernodePolls, module=None) -> PromptClock:
 
     module.time = clock
     module._push_messages = push_and_note
+    module.pull_objects = functools.partial(
+        module.pull_objects, initial_backoff=polls.object_retry_s, backoff_cap=polls.object_retry_cap_s,
+        max_tries_per_object=max(1, int(FLOWER_OBJECT_WAIT_S / polls.object_retry_cap_s)))
     return clock
+
+
+def _params(fn) -> set[str]:
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return set()
 
 
 def main() -> None:

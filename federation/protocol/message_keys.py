@@ -35,6 +35,9 @@ UPDATE_META = "update_meta"  # ConfigRecord: the update's metadata
 SECAGG_CHUNKS = "secagg_chunks"  # ArrayRecord: one packed uint8 Array per masked chunk, keyed by word offset
 MSG_COST = "msg_cost"  # MetricRecord: any reply: when its ClientApp process and handler ran (message_cost.py)
 
+# either way
+PACKED = "packed"  # ConfigRecord: the message's small records as one object on Flower's path (record_pack.py)
+
 # fields of DISCOVER
 DOWNLINK_TARGET = "downlink_target"  # the digest of the coordinator's downlink reference (a downlink codec on)
 

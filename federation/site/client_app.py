@@ -6,6 +6,8 @@ fresh `flwr-clientapp`), so nothing here is long-lived and torch is never import
 the site trainer service, reached over a Unix socket with tensors in
 shared memory (trainer_call.py). Each concern of the site is one mod, outermost first:
 
+  pack_mod          the message's small records unpacked from one Flower object, the reply's packed
+                    (protocol/record_pack.py: fewer requests on Flower's path)
   SiteScope         one SiteEnv per message (keys, settings, round config, trainer, store), relay_s
   audit_mod         the site's signed audit log: what it agreed to or refused, the digests of what it
                     sent and received, the coordinator's heads it witnessed; its own head on every reply
@@ -52,6 +54,7 @@ from federation.site.carried import carried, carry, take
 from federation.site.codec_mod import codec_mod
 from federation.site.downlink_mod import dense_global, downlink_mod, offer_held
 from federation.protocol.testing_hooks import absent
+from federation.site.pack_mod import pack_mod
 from federation.site.policy_mod import announcement, policy_mod
 from federation.site.protection_mod import protection_mod
 from federation.site.replies import fail, status
@@ -198,7 +201,7 @@ def evaluate(msg: Message, context: Context) -> Message:
 def build_client_app(trainer_for: TrainerFactory = service_trainer) -> ClientApp:
     """The ClientApp with its mods, over the trainer `trainer_for` returns for a message's SiteEnv
     (the deployment's: the trainer service; simulations plug in their own)."""
-    app = ClientApp(mods=[SiteScope(trainer_for, APP_IMPORT_S), audit_mod, bulk_mod])
+    app = ClientApp(mods=[pack_mod, SiteScope(trainer_for, APP_IMPORT_S), audit_mod, bulk_mod])
     app.query(mods=[attestation_mod, secagg_mod])(query)
     app.train(mods=[attestation_mod, policy_mod, secagg_mod, protection_mod, downlink_mod, codec_mod])(train)
     app.evaluate(mods=[downlink_mod])(evaluate)

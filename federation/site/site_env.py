@@ -1,7 +1,7 @@
 """What the mods of one message share about their site, loaded at most once per message.
 
 Every message has a ClientApp process of its own, and Flower hands every mod the same `Context`. The
-outermost mod (`SiteScope`, installed by client_app.build_client_app) makes one `SiteEnv` per
+outermost mod but the pack's (`SiteScope`, installed by client_app.build_client_app) makes one `SiteEnv` per
 message; every inner mod and the bare trainer call find it with `SiteEnv.current(context)`. The
 site's bundle (its keys and the federation registry), its attestation settings, the parsed round
 config, the trainer and the site store are each loaded on first use and then shared, instead of
@@ -137,7 +137,7 @@ def node_file(node_config, key: str, model: type[M], error: type[Exception], wha
 
 
 class SiteScope:
-    """The outermost mod: one SiteEnv per message for the mods inside, the relay's own time
+    """The outermost mod inside the pack (pack_mod.py): one SiteEnv per message for the mods inside, the relay's own time
     (`relay_s`) in the metrics of train and evaluate replies, and on every reply the wall-clock
     stamps that split the message's seconds (protocol/message_cost.py; `app_import_s`: what loading
     our app cost this process)."""
