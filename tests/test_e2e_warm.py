@@ -111,6 +111,8 @@ def test_warm_workers_serve_every_message_and_survive_kills(tmp_path, marker):
         served = {site: cost.get("executors") for site, cost in line["timing"]["message_cost"].items()}
         assert all(set(s) == {"warm"} for s in served.values() if s), served
         assert set(served) >= ({"wa"} if line is r2 else {"wa", "wb"}), served
+        packed = {site: cost.get("packed") for site, cost in line["timing"]["message_cost"].items()}
+        assert all(share == 1.0 for share in packed.values()), packed  # every message and reply, as one object
     a_text, b_text = a_log.read_text(errors="replace"), b_log.read_text(errors="replace")
     for pid in idle_a:
         assert re.search(rf"parent \(pid {pid}\) exited with code -9( before it was ready)?.*; starting another", a_text)

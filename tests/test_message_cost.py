@@ -36,10 +36,10 @@ def test_the_split_adds_up_to_the_coordinators_wait():
     rec["process_start"] = 999.0  # a known process start
     cost = message_cost.split(content, pushed=996.0, pulled=1003.0)
     assert cost == {"total_s": 7.0, "launch_s": 3.0, "startup_s": 1.0, "handler_s": 2.5, "return_s": 0.5,
-                    "app_import_s": 0.3, "executor": "subprocess"}
+                    "app_import_s": 0.3, "executor": "subprocess", "packed": 0.0}
     del rec["process_start"]  # no /proc on the site: launch and startup together
     assert message_cost.split(content, 996.0, 1003.0) == {"total_s": 7.0, "launch_s": 4.0, "handler_s": 2.5,
-                                                           "return_s": 0.5, "executor": "subprocess"}
+                                                           "return_s": 0.5, "executor": "subprocess", "packed": 0.0}
     assert message_cost.split(RecordDict(), 996.0, 1003.0) == {"total_s": 7.0}  # an unstamped reply
 
 
@@ -51,10 +51,14 @@ def test_a_warm_workers_message_starts_when_it_was_handed_the_task(monkeypatch):
     message_cost.stamp(content, handler_start=1000.0, handler_end=1002.5, app_import_s=0.3)
     cost = message_cost.split(content, pushed=996.0, pulled=1003.0)
     assert cost == {"total_s": 7.0, "launch_s": 3.5, "startup_s": 0.5, "handler_s": 2.5, "return_s": 0.5,
-                    "app_import_s": 0.0, "executor": "warm"}
-    stages = [{"messages": {"a": cost, "b": {**cost, "executor": "subprocess"}}}, {"messages": {"a": cost}}]
+                    "app_import_s": 0.0, "executor": "warm", "packed": 0.0}
+    content.metric_records[keys.MSG_COST]["packed"] = 1.0  # the site's pack mod: the message came packed
+    packed = message_cost.split(content, pushed=996.0, pulled=1003.0)
+    assert packed["packed"] == 1.0
+    stages = [{"messages": {"a": cost, "b": {**cost, "executor": "subprocess"}}}, {"messages": {"a": packed}}]
     summary = message_cost.per_site(stages)
     assert summary["a"]["executors"] == {"warm": 2} and summary["a"]["messages"] == 2
+    assert summary["a"]["packed"] == 0.5  # the share of a's messages that came packed
     assert summary["b"]["executors"] == {"subprocess": 1} and summary["b"]["startup_s"] == 0.5
 
 

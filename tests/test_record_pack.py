@@ -169,7 +169,9 @@ def test_the_mod_unpacks_before_the_app_and_packs_its_reply():
     def app(msg, context):
         seen.append(list(msg.content.keys()))
         return Message(RecordDict({keys.STATUS: ConfigRecord({"site": "paris", "ok": True}),
-                                   keys.METRICS: MetricRecord({"loss": 0.5})}), reply_to=msg)
+                                   keys.METRICS: MetricRecord({"loss": 0.5}),
+                                   keys.MSG_COST: MetricRecord({"handler_start": 1.0, "handler_end": 2.0})}),
+                       reply_to=msg)
 
     with task_identity(RUN):
         msg = Message(pack(train_like()), dst_node_id=1, message_type="train")
@@ -178,6 +180,7 @@ def test_the_mod_unpacks_before_the_app_and_packs_its_reply():
     assert list(reply.content.keys()) == [keys.PACKED]
     reply.content = unpack(reply.content)
     assert ok(reply) and reply.content.metric_records[keys.METRICS]["loss"] == 0.5
+    assert reply.content.metric_records[keys.MSG_COST]["packed"] == 1.0  # the split says it came packed
 
 
 def test_a_message_that_came_unpacked_is_answered_unpacked():

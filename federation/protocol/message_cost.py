@@ -24,7 +24,8 @@ per site and stage:
   total_s    push -> reply pulled (coordinator's clock alone): the four add up to it
 
 Every split also says which executor served the message (`executor`: `warm` or `subprocess`,
-Flower's own).
+Flower's own) and whether it came with its small records packed into one Flower object (`packed`:
+1 or 0; protocol/record_pack.py; per site for the round, the share of its messages).
 
 `launch_s` and `return_s` compare the two machines' wall clocks; on separate hosts they are only
 as good as the clocks' agreement (NTP), while `total_s`, `startup_s` and `handler_s` are each read
@@ -95,6 +96,7 @@ def split(content: RecordDict, pushed: float, pulled: float) -> dict[str, float]
     except (TypeError, KeyError, ValueError):
         return out
     executor = "warm" if rec.get("warm") else "subprocess"
+    out["packed"] = 1.0 if rec.get("packed") else 0.0
     out["handler_s"] = end - start
     out["return_s"] = pulled - end
     if "process_start" in rec:

@@ -28,5 +28,8 @@ def pack_mod(msg: Message, context: Context, call_next) -> Message:
             return fail(msg, str(context.node_config.get("site-id", "?")), str(err))
     reply = call_next(msg, context)
     if packed and reply.has_content():
+        cost = reply.content.metric_records.get(keys.MSG_COST)
+        if cost is not None:
+            cost["packed"] = 1.0  # the coordinator's split says which messages came packed
         reply.content = pack(reply.content)
     return reply
