@@ -13,6 +13,7 @@ from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
 from federation.coordinator.pack_grid import PackGrid
 from federation.coordinator.refused_reply import refusal
+from federation.coordinator.retry_grid import RetryingGrid
 from federation.ops.inprocess import task_identity
 from federation.protocol import message_keys as keys
 from federation.protocol.record_pack import FIELD, RECORD_MAX, PackError, pack, unpack
@@ -147,6 +148,32 @@ def test_the_grid_pushes_packed_gives_the_caller_its_content_back_and_unpacks_re
     assert [list(r.content.keys()) for r in replies] == [[keys.STATUS, keys.METRICS]] * 2
     assert all(refusal(r) is None for r in replies)
     assert grid.get_node_ids() == [1, 2]  # everything else is the inner grid's
+
+
+class ResetOnce(RecordingGrid):
+    """A SuperLink whose first push is reset mid-way (the retries above the pack resend)."""
+
+    def __init__(self, answer):
+        super().__init__(answer)
+        self.resets = 0
+
+    def push_messages(self, messages):
+        if not self.resets:
+            self.resets += 1
+            self.seen += [list(m.content.keys()) for m in messages]
+            raise ConnectionResetError("connection reset by peer")
+        return super().push_messages(messages)
+
+
+def test_a_retried_push_sends_the_same_packed_objects_and_the_caller_keeps_its_records():
+    inner = ResetOnce(lambda msg: Message(RecordDict({keys.STATUS: ConfigRecord({"ok": True})}), reply_to=msg))
+    grid = RetryingGrid(PackGrid(inner), budget_s=10.0)
+    with task_identity(RUN):
+        msg = Message(train_like(), dst_node_id=1, message_type="train")
+        ids = grid.push_messages([msg])
+    assert inner.resets == 1 and inner.seen == [[keys.PACKED], [keys.PACKED]] and len(ids) == 1
+    assert_same(msg.content, train_like())
+    assert pack(train_like())[keys.PACKED][FIELD] == pack(train_like())[keys.PACKED][FIELD]  # same bytes, same ids
 
 
 def test_a_reply_whose_pack_does_not_decode_is_refused_by_name_not_raised():

@@ -3,8 +3,9 @@
 Flower's SuperNode sleeps 3 s after a pull that found nothing, looks for a ClientApp's reply every
 0.5 s and asks again for a message object not at the SuperLink yet after 1 s, all hard-coded in
 flwr 1.41; a round's next message, sent soon after a site's reply, then waits most of the first
-sleep, and a message taken while the coordinator still pushes its objects waits the last. The sites sovfl starts run the SuperNode through
-federation/ops/supernode_main.py, which shortens those sleeps as set here.
+sleep, and a message taken while the coordinator still pushes its objects waits the last. The
+sites sovfl starts run the SuperNode through federation/ops/supernode_main.py, which shortens
+those waits as set here.
 """
 
 from __future__ import annotations

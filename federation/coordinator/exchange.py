@@ -10,8 +10,8 @@ sites) and `drop_side_queries` (give up on the rest) end them.
 What lies beneath the exchange is the grid's: the data path, which moves a message's large Arrays
 beside it and puts a reply's back before the exchange reads it, the SuperLink's retries
 (retry_grid.py) and, around Flower's own Grid, the pack of a message's small records into one
-Flower object (pack_grid.py). A reply the grid refuses comes back marked (refused_reply.py) and fails its site. A grid
-that holds things for a stage is told when they can go: `stage_over` once the stage's messages are
+Flower object (pack_grid.py). A reply the grid refuses comes back marked (refused_reply.py) and
+fails its site. A grid that holds things for a stage is told when they can go: `stage_over` once the stage's messages are
 answered or expired, `replies_folded` once its replies are aggregated (`tell_grid`).
 """
 

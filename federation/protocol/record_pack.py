@@ -13,8 +13,8 @@ holding the other records as Flower's own protobuf encoding (flwr.common.serde).
 that would take the pack past `pack_max`, so that a large model still travels as Flower's objects
 (deduplicated across a stage's messages, each Array its own request) or on the data path; a
 message with fewer than two records to pack is left as it is. `unpack` restores the records
-exactly (the same keys, types, values and Array bytes) before anything reads them: beneath the
-coordinator's exchange (coordinator/pack_grid.py) and around the ClientApp (site/pack_mod.py).
+exactly (the same keys, types, values and Array bytes) before anything reads them: around the
+ServerApp's Grid (coordinator/pack_grid.py) and around the ClientApp (site/pack_mod.py).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from federation.protocol.payload_records import array_bytes
 from federation.protocol.pipeline import UpdateRejected
 
 RECORD_MAX = 1 << 20  # an ArrayRecord with more array bytes than this stays its own objects
-PACK_MAX = 4 << 20  # the pack's bytes at most: one gRPC message of Flower's default size
+PACK_MAX = 4 << 20  # the pack's bytes at most: below the largest object Flower makes itself (a 5 MB Array chunk)
 FIELD = "records"  # in the PACKED ConfigRecord: the packed records' protobuf
 ORDER = "order"  # in the PACKED ConfigRecord: every record's key, in the message's order
 
