@@ -82,6 +82,16 @@ def test_a_large_arrayrecord_stays_its_own_objects_and_the_rest_is_packed():
     assert_same(unpack(packed), rd)
 
 
+def test_a_100m_parameter_model_is_left_as_it_is_uncopied_and_only_the_small_records_are_packed():
+    model = ArrayRecord({f"l{i}.w": Array(np.zeros(4_000_000, np.float32)) for i in range(25)})  # 100M floats
+    rd = RecordDict({keys.GLOBAL: model, keys.CONFIG: ConfigRecord({"round": 1}),
+                     keys.ATTEST: ConfigRecord({"nonce": b"n" * 32}), keys.AUDIT: ConfigRecord({"index": 3})})
+    packed = pack(rd)
+    assert set(packed.keys()) == {keys.GLOBAL, keys.PACKED} and packed[keys.GLOBAL] is model
+    assert len(packed[keys.PACKED][FIELD]) < 1024  # three small records, not the model
+    assert unpack(packed)[keys.GLOBAL] is model
+
+
 def test_the_pack_stops_at_its_byte_budget():
     rd = RecordDict({f"a{i}": ArrayRecord({"x": Array(np.zeros(1000, dtype=np.float32))}) for i in range(5)})
     packed = pack(rd, pack_max=2 * 4200)

@@ -46,8 +46,7 @@ def pack(rd: RecordDict, record_max: int = RECORD_MAX, pack_max: int = PACK_MAX)
     if keys.PACKED in rd:
         return rd
     chosen, total = {}, 0
-    for key, rec in sorted(rd.items(), key=lambda kv: _size(kv[1])):
-        size = _size(rec)
+    for size, key, rec in sorted(((_size(r), k, r) for k, r in rd.items()), key=lambda t: t[0]):
         if isinstance(rec, ArrayRecord) and size > record_max:
             continue
         if total + size > pack_max:
