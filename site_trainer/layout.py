@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
-from site_trainer.dtensors import is_dtensor
 from site_trainer.manifest import MANIFEST_VERSION, manifest_mismatch  # noqa: F401 - the manifest's home
 
 
@@ -174,7 +174,7 @@ class FrozenDigest:
 
     def update(self, name: str, t: torch.Tensor) -> None:
         t = t.detach()
-        if is_dtensor(t):
+        if isinstance(t, DTensor):
             raise TypeError(f"{name}: hash the full tensor, not a shard")
         t = t.cpu().contiguous()
         self._h.update(f"{name}\0{dtype_name(t.dtype)}\0{list(t.shape)}\0".encode())

@@ -12,10 +12,6 @@ Layout under `<workdir>/checkpoints/`:
 
 A crash while saving leaves `latest` on the previous checkpoint. Multi-node sites need `workdir`
 on storage every node can read (each rank reads the shared metadata on resume).
-
-torch.distributed.checkpoint is imported where a checkpoint is written or read, not with this
-module: it imports the DTensor package, which a rank that never checkpoints need not pay for
-(site_trainer/dtensors.py).
 """
 
 from __future__ import annotations
@@ -28,6 +24,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                     set_state_dict)
 
 from crypto.durable import write_atomic
 
@@ -43,8 +42,6 @@ def _rank_file(path: Path, rank: int) -> Path:
 
 
 def _state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-
     if optimizer is None:
         return {"model": get_model_state_dict(model)}
     model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -62,8 +59,6 @@ def save(workdir: str | Path, round_no: int, model: torch.nn.Module, optimizer: 
         (root / name[0]).mkdir(parents=True)
     dist.broadcast_object_list(name, src=0)
     path = root / name[0]
-    import torch.distributed.checkpoint as dcp
-
     dcp.save(_state_dicts(model, optimizer), checkpoint_id=str(path))
     torch.save({"round": round_no, "extras": extras}, _rank_file(path, rank))
     dist.barrier()
@@ -113,9 +108,6 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | 
          ) -> tuple[int, dict] | None:
     """Collective: restore model and optimizer in place (resharded if the layout changed); return
     (round, this rank's extras), or None when the world size changed (RNG streams cannot be matched)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
-
     meta = json.loads((path / "meta.json").read_text())
     state = _state_dicts(model, optimizer)
     dcp.load(state, checkpoint_id=str(path))

@@ -48,8 +48,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
-
-from site_trainer.dtensors import local_part
+from torch.distributed.tensor import DTensor
 
 log = logging.getLogger("sovfl.trainer")
 
@@ -70,6 +69,11 @@ def background_budget(local_steps: int, factor: float | int | str | None) -> int
         f = 1.0
     steps = max(0, int(local_steps))
     return max(steps, int(steps * f + 1e-9))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds: its ZeRO shard of a DTensor, or the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class Overlap:
@@ -99,7 +103,7 @@ class Overlap:
         if self.step_fn is None or budget <= 0:
             return
         with torch.no_grad():
-            self._saved = [local_part(t).detach().clone() for _, t in entries]
+            self._saved = [_local(t).detach().clone() for _, t in entries]
         self.round, self.budget = round_no, budget
 
     def run(self, n: int) -> None:
@@ -117,7 +121,7 @@ class Overlap:
             return
         with torch.no_grad():
             for (_, t), saved in zip(entries, self._saved):
-                torch.sub(local_part(t).detach(), saved, out=saved)
+                torch.sub(_local(t).detach(), saved, out=saved)
         self.frozen = True
 
     def fold(self, entries: Sequence[Entry], round_no: int) -> tuple[int, int, float]:
@@ -130,7 +134,7 @@ class Overlap:
         if folded:
             with torch.no_grad():
                 for (_, t), progress in zip(entries, self._saved):
-                    local_part(t).add_(progress)
+                    _local(t).add_(progress)
         out = (folded, self.steps - folded, self.seconds)
         self.clear()
         return out

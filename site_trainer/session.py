@@ -41,11 +41,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from site_trainer import handoff, layout, strategies, transfer, update_files, update_pack
 from site_trainer.command_loop import CommandLoop, _Request, open_global
 from site_trainer.data_digest import snapshot as snapshot_fields
-from site_trainer.dtensors import gathered
 from site_trainer.command_loop import RequestRejected  # noqa: F401 - re-exported: part of the session's API
 from site_trainer.local_checkpoints import LocalCheckpoints
 from site_trainer.overlap import BackgroundStep, Overlap, background_budget
@@ -305,7 +305,7 @@ class Session:
         with torch.no_grad():
             for name in self.layout.frozen:
                 t = tensors[name]
-                full = gathered(t)
+                full = t.full_tensor() if isinstance(t, DTensor) else t
                 if self.rank == 0:
                     digest.update(name, full)
         return digest

@@ -26,10 +26,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
-
-from site_trainer.dtensors import local_part
 
 log = logging.getLogger("sovfl.trainer")
 
@@ -267,7 +266,7 @@ def materialize_shards(module: nn.Module, device: torch.device) -> None:
     module.to_empty(device=device)
     with torch.no_grad():
         for name, p in module.named_parameters():
-            local_part(p).zero_()
+            (p.to_local() if isinstance(p, DTensor) else p).zero_()
         for name, b in module.named_buffers():
             if name in real:
                 b.copy_(real[name])

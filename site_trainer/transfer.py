@@ -30,9 +30,9 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
 
 from site_trainer import layout
-from site_trainer.dtensors import gathered, is_dtensor
 from site_trainer.weights_digest import WeightsDigest, fold
 
 PIECE_BYTES = 2 * 2**20  # what one job moves (a multiple of weights_digest.BLOCK_BYTES)
@@ -103,9 +103,7 @@ def _as_dtype(raw: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> to
 
 def _keep(local_target: torch.Tensor, full: torch.Tensor) -> None:
     """Copy what this rank holds of `full` into `local_target` (the module's tensor)."""
-    if is_dtensor(local_target):
-        from torch.distributed.tensor import Shard
-
+    if isinstance(local_target, DTensor):
         local = local_target.to_local()
         placements = local_target.placements
         if all(isinstance(p, Shard) and p.dim == 0 for p in placements) and local_target.device_mesh.ndim == 1:
@@ -229,7 +227,7 @@ def stream_in(entries: Sequence[Entry], read: ReadInto | None, device: torch.dev
             read_i = by_range(i)
         except (KeyError, ValueError):  # the tensor's own turn says what is wrong
             return
-        if read_i is None or is_dtensor(t) or t.device != device or not t.is_contiguous():
+        if read_i is None or isinstance(t, DTensor) or t.device != device or not t.is_contiguous():
             return
         flat = t.detach().reshape(-1)
         ahead[i] = _start_pieces(read_i, layout.to_wire(flat).view(np.uint8), flat if checking else None,
@@ -242,7 +240,7 @@ def stream_in(entries: Sequence[Entry], read: ReadInto | None, device: torch.dev
         stack.callback(lambda: wait([fut for futs in ahead.values() for fut in futs]))
         for i, (name, t) in enumerate(entries):
             dtype, shape = t.dtype, tuple(t.shape)
-            direct = not is_dtensor(t) and t.device == device and t.is_contiguous()
+            direct = not isinstance(t, DTensor) and t.device == device and t.is_contiguous()
             dest = t if direct else torch.empty(shape, dtype=dtype, device=device)
             if rank == 0:
                 wire = layout.wire_dtype(dtype)
@@ -358,7 +356,7 @@ def stream_out(entries: Sequence[Entry], visit: Callable[[str, torch.Tensor], No
     with one_thread_per_op():
         try:
             for name, t in entries:
-                full = gathered(t).detach()
+                full = (t.full_tensor() if isinstance(t, DTensor) else t).detach()
                 if len(pending) == 2:  # at most two tensors in flight: one being consumed, one queued
                     settle(pending[0])
                     pending.pop(0)
