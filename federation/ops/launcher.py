@@ -27,6 +27,8 @@ from crypto.pki import provision
 from federation.config import resolve
 from federation.config.schema import ExperimentConfig, load_config
 from federation.config.supernode_polls import SUPERNODE_POLLS_ENV, SupernodePolls
+from federation.ops import superexec_wake
+from federation.ops.superexec_wake import WAKE_ENV
 from federation.ops.run_dir import prepare_workdir
 from federation.ops.supervisor import (  # noqa: F401 (re-exported: launcher.Supervisor etc.)
     MARKER, OWNER, LaunchError, Proc, Supervisor, _bin, free_port, marked_pids, tail)
@@ -112,7 +114,7 @@ def start_trainer(sup: Supervisor, site: SiteConfig, cfg: ExperimentConfig, sock
 def start_supernode(sup: Supervisor, site: SiteConfig, superlink: str, socket_path: str,
                     bundle: Path | None = None, insecure: bool = False,
                     extra_node_config: dict[str, str] | None = None, runtime_port: int | None = None,
-                    polls: SupernodePolls | None = None) -> Proc:
+                    polls: SupernodePolls | None = None, wake: str | None = None) -> Proc:
     """With `bundle` (the site's provisioned directory) the ClientApp signs (and seals) updates
     with its keys and, unless `insecure`, the SuperNode uses TLS verified against the federation
     CA and authenticates with its provisioned key.
@@ -121,7 +123,9 @@ def start_supernode(sup: Supervisor, site: SiteConfig, superlink: str, socket_pa
     own (`--isolation process`): start_superexec's serves it; without, Flower's SuperExec starts a
     fresh `flwr-clientapp` process per message.
     With `polls` enabled (federation.supernode_polls) it runs as federation/ops/supernode_main.py,
-    asking for its next message soon after each reply; without, as Flower ships it."""
+    asking for its next message soon after each reply, and with `wake` it wakes the SuperExec
+    listening under that name for each message (federation/ops/superexec_wake.py); without, as
+    Flower ships it."""
     cfg = {"site-id": site.id, "trainer-socket": socket_path}
     if bundle is not None:
         cfg["bundle-dir"] = str(bundle)
@@ -135,16 +139,19 @@ def start_supernode(sup: Supervisor, site: SiteConfig, superlink: str, socket_pa
     return sup.start(f"site-{site.id}-supernode", [
         *program, *security, "--superlink", superlink, "--port", str(runtime_port or free_port()),
         *(["--isolation", "process"] if runtime_port else []), "--node-config", node_config, "--max-wait-time", "600",
-    ], extra_env={**superexec_poll_env(), **({SUPERNODE_POLLS_ENV: polls.model_dump_json()} if prompt else {})})
+    ], extra_env={**superexec_poll_env(), **({SUPERNODE_POLLS_ENV: polls.model_dump_json()} if prompt else {}),
+                  **({WAKE_ENV: wake} if prompt and wake else {})})
 
 
-def start_superexec(sup: Supervisor, site_id: str, runtime_port: int, parents: int) -> Proc:
+def start_superexec(sup: Supervisor, site_id: str, runtime_port: int, parents: int, wake: str | None = None) -> Proc:
     """The SuperExec of a site's SuperNode started with `runtime_port`: ours with `parents` warm
-    ClientApp parents (federation/ops/warm_superexec.py), or with 0 Flower's `flower-superexec`."""
+    ClientApp parents (federation/ops/warm_superexec.py), listening for the SuperNode's `wake`, or
+    with 0 Flower's `flower-superexec`."""
     address = ["--runtime-api-address", f"127.0.0.1:{runtime_port}", "--insecure"]  # loopback, as Flower's own
     argv = [sys.executable, "-m", "federation.ops.warm_superexec", *address, "--parents", str(parents)] if parents \
         else [_bin("flower-superexec"), *address]
-    return sup.start(f"site-{site_id}-superexec", argv, extra_env=superexec_poll_env())
+    return sup.start(f"site-{site_id}-superexec", argv,
+                     extra_env={**superexec_poll_env(), **({WAKE_ENV: wake} if parents and wake else {})})
 
 
 def watch_site_node(guard, sup: Supervisor, site: SiteConfig, superlink: str, socket_path: str,
@@ -154,11 +161,12 @@ def watch_site_node(guard, sup: Supervisor, site: SiteConfig, superlink: str, so
     the warm SuperExec beside it, on a Runtime API port kept across SuperNode restarts (the
     SuperExec outlives them); its SuperNode Proc."""
     port = free_port() if warm else None
+    wake = superexec_wake.new_name(site.id) if warm else None
     node = guard.watch_supernode(site.id, partial(start_supernode, sup, site, superlink, socket_path, bundle, insecure,
-                                                  extra_node_config, runtime_port=port, polls=polls),
+                                                  extra_node_config, runtime_port=port, polls=polls, wake=wake),
                                  superlink, None if insecure else bundle)
     if port is not None:
-        guard.watch_superexec(site.id, partial(start_superexec, sup, site.id, port), warm)
+        guard.watch_superexec(site.id, partial(start_superexec, sup, site.id, port, wake=wake), warm)
     return node
 
 

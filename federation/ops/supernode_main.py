@@ -22,6 +22,10 @@ in its process only, as `federation.supernode_polls` sets them (passed in SUPERN
   missing; with Flower's 1 s it then waits most of a second for an object that arrives within a
   tenth. The extra asks last only while a push is under way (a few per message), and an object
   still missing after that is asked for no more often than every cap.
+- with a wake name in its environment (superexec_wake.py, set by the launcher when the site's
+  warm SuperExec serves its Runtime API), each message wakes that SuperExec as its objects start
+  to come (its task exists by then), so the SuperExec asks for the task at once instead of at its
+  next poll, and its worker starts while the objects arrive, as it would have after a poll.
 The sleeps are reached through the module's `time`, `_push_messages` and `pull_objects`, each
 looked up when called; `differences()` says when an installed flwr's code no longer has them,
 and the SuperNode then runs as Flower ships it, said in one line. Without SUPERNODE_POLLS_ENV it
@@ -40,6 +44,8 @@ import time
 
 from federation.config.supernode_polls import (FLOWER_IDLE_SLEEP_S, FLOWER_OBJECT_WAIT_S, FLOWER_REPLY_CHECK_S,
                                                SUPERNODE_POLLS_ENV, SupernodePolls)
+from federation.ops.superexec_wake import WAKE_ENV
+from federation.ops.superexec_wake import send as send_wake
 
 MODULE = "flwr.supernode.start_client_internal"
 
@@ -77,7 +83,7 @@ def differences(module=None) -> list[str]:
     pull = getattr(module, "pull_objects", None)
     if pull is None or not {"initial_backoff", "backoff_cap", "max_tries_per_object"} <= set(_params(pull)):
         out.append(f"{MODULE}.pull_objects does not take initial_backoff, backoff_cap and max_tries_per_object")
-    for fn, needles in (("_pull_and_store_message", ("pull_objects(",)),
+    for fn, needles in (("_pull_and_store_message", ("create_task(", "pull_objects(")),
                         ("start_client_internal", (f"time.sleep({FLOWER_IDLE_SLEEP_S})", "_push_messages(")),
                         ("_push_messages", (f"time.sleep({FLOWER_REPLY_CHECK_S})",))):
         try:
@@ -86,6 +92,8 @@ def differences(module=None) -> list[str]:
             out.append(f"{MODULE} has no function {fn}")
             continue
         out += [f"{MODULE}.{fn} no longer calls {needle}" for needle in needles if needle not in source]
+        if fn == "_pull_and_store_message" and 0 <= source.find("pull_objects(") < source.find("create_task("):
+            out.append(f"{MODULE}.{fn} pulls a message's objects before it creates its task")
     return out
 
 
@@ -103,9 +111,18 @@ def apply(polls: SupernodePolls, module=None) -> PromptClock:
 
     module.time = clock
     module._push_messages = push_and_note
-    module.pull_objects = functools.partial(
+    pull = functools.partial(
         module.pull_objects, initial_backoff=polls.object_retry_s, backoff_cap=polls.object_retry_cap_s,
         max_tries_per_object=max(1, int(FLOWER_OBJECT_WAIT_S / polls.object_retry_cap_s)))
+    wake = os.environ.get(WAKE_ENV)
+    if wake:
+        def wake_and_pull(*args, **kwargs):
+            send_wake(wake)  # the message's task was just created (differences() checks that order)
+            return pull(*args, **kwargs)
+
+        module.pull_objects = wake_and_pull
+    else:
+        module.pull_objects = pull
     return clock
 
 

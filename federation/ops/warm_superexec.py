@@ -5,9 +5,12 @@ Its loop is Flower's SuperExec loop (flwr's supercore/superexec/run_superexec.py
 from the SuperNode's Runtime API, launch it through the executor, ask again after
 `FLWR_SUPEREXEC_TASK_POLL_INTERVAL`; the executor is warm_executor.WarmClientAppExecutor. It
 differs from Flower's in what sovfl sites do not use (no health server, tracing or SuperExec
-authentication) and in one thing they need: when the SuperNode does not answer (it is being
+authentication) and in two things they need: when the SuperNode does not answer (it is being
 restarted, on the same port) the loop asks again every poll interval, where Flower's client backs
-off up to 20 s, so a restarted SuperNode's first message does not wait for that.
+off up to 20 s, so a restarted SuperNode's first message does not wait for that; and with a wake
+name in its environment (superexec_wake.py) it asks when the SuperNode says a message is in, at
+once again after a task (two messages may have come), and otherwise only every
+`superexec_wake.IDLE_POLL_S`.
 
 When the installed flwr's internals differ from those it was written against (flower_exec.py), it
 says so in one line and replaces itself with Flower's own `flower-superexec`.
@@ -32,9 +35,13 @@ def flower_superexec_argv(address: str, insecure: bool, root_certificates: str |
 def serve(address: str, insecure: bool, root_certificates: str | None, executor) -> None:
     """Acquire and launch tasks until a signal ends the process (Flower's handlers close the executor)."""
     from federation.ops import flower_exec as fx
+    from federation.ops import superexec_wake
     from federation.ops.warm_executor import say
 
     interval = fx._get_task_poll_interval()
+    waker = superexec_wake.listen(os.environ.get(superexec_wake.WAKE_ENV))
+    if os.environ.get(superexec_wake.WAKE_ENV) and waker is None:
+        say(f"the SuperNode's wake cannot be received here; asking for tasks every {interval:g}s")
     retry = fx.make_simple_http_retry_invoker()
     retry.max_tries = 1  # a SuperNode that does not answer is asked again on the next poll (module docstring)
     client = fx.RuntimeHttpClient.from_server_address(
@@ -43,7 +50,7 @@ def serve(address: str, insecure: bool, root_certificates: str | None, executor)
         interceptors=[fx.RuntimeVersionHttpInterceptor(component_name="SuperExec")], retry_invoker=retry)
     fx.register_signal_handlers(event_type=fx.EventType.RUN_SUPEREXEC_LEAVE,
                                 exit_message="SuperExec terminated gracefully.",
-                                exit_handlers=[client.close, executor.close])
+                                exit_handlers=[client.close, executor.close, *([waker.close] if waker else [])])
     plugin = fx.AutoExecPlugin(runtime_api_address=address, insecure=insecure, root_certificates_path=root_certificates,
                                runtime_dependency_install=False, executor=executor)
     away = False
@@ -65,7 +72,11 @@ def serve(address: str, insecure: bool, root_certificates: str | None, executor)
             away = False
         if res.HasField("task") and res.token:
             fx._handle_launch_result(plugin.launch_task(token=res.token, task=res.task), res.task)
-        time.sleep(interval)
+            continue  # another message may be in already, its wake taken with this one's
+        if waker is not None:
+            waker.wait(superexec_wake.IDLE_POLL_S)
+        else:
+            time.sleep(interval)
 
 
 def main(argv: list[str] | None = None) -> int:
