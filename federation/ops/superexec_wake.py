@@ -60,6 +60,7 @@ class WakeListener:
                 return bool(ready)
 
     def close(self) -> None:
+        """Release the name (a SuperExec started after this one can bind it)."""
         self._sock.close()
 
 
