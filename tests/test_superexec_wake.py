@@ -19,6 +19,7 @@ from federation.config.supernode_polls import SupernodePolls
 from federation.ops import launcher, superexec_wake
 from federation.ops import supernode_main as sm
 from site_trainer.config import SiteConfig
+from test_supernode_polls import Recorder
 
 
 @pytest.fixture
@@ -105,15 +106,6 @@ def test_a_flwr_that_pulls_objects_before_creating_the_task_is_named():
     module = types.SimpleNamespace(time=sm.time, _pull_and_store_message=_pull_and_store_message)
     assert f"{sm.MODULE}._pull_and_store_message pulls a message's objects before it creates its task" in \
         sm.differences(module)
-
-
-class Recorder:
-    def __init__(self):
-        self.started = []
-
-    def start(self, name, argv, extra_env=None):
-        self.started.append((name, argv, extra_env or {}))
-        return name
 
 
 class Guard:
