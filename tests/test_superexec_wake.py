@@ -118,14 +118,18 @@ class Guard:
         return start(parents)
 
 
-@pytest.mark.parametrize("warm", [1, 0])
-def test_the_launcher_gives_a_sites_supernode_and_warm_superexec_one_fresh_name(warm, tmp_path):
+@pytest.mark.parametrize("warm,polls", [(1, SupernodePolls()), (0, SupernodePolls()), (1, SupernodePolls(enabled=False))])
+def test_the_launcher_gives_a_sites_supernode_and_warm_superexec_one_fresh_name(warm, polls, tmp_path):
+    """Only when the SuperNode runs as supernode_main (polls enabled) is there one to send wakes;
+    otherwise the warm SuperExec gets no name and polls at its 0.2 s interval."""
     sup = Recorder()
     site = SiteConfig.model_validate(digits_site(0, "s1", 1))
     launcher.watch_site_node(Guard(), sup, site, "127.0.0.1:1", str(tmp_path / "s.sock"), None, True, {}, warm,
-                             SupernodePolls())
+                             polls)
     envs = {name: env for name, _, env in sup.started}
-    if warm:
+    if warm and not polls.enabled:
+        assert all(superexec_wake.WAKE_ENV not in env for env in envs.values()) and "site-s1-superexec" in envs
+    elif warm:
         node, exe = envs["site-s1-supernode"], envs["site-s1-superexec"]
         assert node[superexec_wake.WAKE_ENV] == exe[superexec_wake.WAKE_ENV]
         assert node[superexec_wake.WAKE_ENV].startswith("sovfl-superexec-wake-s1-")

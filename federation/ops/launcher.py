@@ -161,7 +161,8 @@ def watch_site_node(guard, sup: Supervisor, site: SiteConfig, superlink: str, so
     the warm SuperExec beside it, on a Runtime API port kept across SuperNode restarts (the
     SuperExec outlives them); its SuperNode Proc."""
     port = free_port() if warm else None
-    wake = superexec_wake.new_name(site.id) if warm else None
+    # only a SuperNode run by supernode_main (polls enabled) sends wakes; without them the SuperExec polls at 0.2 s
+    wake = superexec_wake.new_name(site.id) if warm and polls is not None and polls.enabled else None
     node = guard.watch_supernode(site.id, partial(start_supernode, sup, site, superlink, socket_path, bundle, insecure,
                                                   extra_node_config, runtime_port=port, polls=polls, wake=wake),
                                  superlink, None if insecure else bundle)

@@ -4,9 +4,9 @@ Flower's SuperExec finds a ClientApp task by asking the SuperNode's Runtime API 
 every poll interval, an HTTP request that both processes serve whether or not a message came. The
 SuperNode sovfl runs (supernode_main.py) knows the moment a message's task exists (it is about
 to pull the message's objects): it sends one datagram to a Linux abstract UNIX socket the site's
-warm SuperExec listens on, and the SuperExec asks at once. Between messages the SuperExec asks only every `IDLE_POLL_S`
-(Flower's default interval), so a wake that never comes (a SuperNode run as Flower ships it, another
-flwr) costs a message no more than Flower's own poll would.
+warm SuperExec listens on, and the SuperExec asks at once. Between messages the SuperExec asks
+only every `IDLE_POLL_S` (Flower's default interval), so a wake that never comes (a SuperNode
+whose flwr lacks what supernode_main.py changes) costs a message no more than Flower's own poll.
 
 The name is drawn by the launcher for each site and given to both processes in WAKE_ENV. A
 datagram carries nothing but the wake: a process in the same network namespace that sends one
