@@ -27,7 +27,7 @@ from crypto.pki import provision
 from federation.config import resolve
 from federation.config.schema import ExperimentConfig, load_config
 from federation.config.supernode_polls import SUPERNODE_POLLS_ENV, SupernodePolls
-from federation.ops import superexec_wake
+from federation.ops import superexec_wake, warm_preload
 from federation.ops.superexec_wake import WAKE_ENV
 from federation.ops.run_dir import prepare_workdir
 from federation.ops.supervisor import (  # noqa: F401 (re-exported: launcher.Supervisor etc.)
@@ -143,15 +143,17 @@ def start_supernode(sup: Supervisor, site: SiteConfig, superlink: str, socket_pa
                   **({WAKE_ENV: wake} if prompt and wake else {})})
 
 
-def start_superexec(sup: Supervisor, site_id: str, runtime_port: int, parents: int, wake: str | None = None) -> Proc:
+def start_superexec(sup: Supervisor, site_id: str, runtime_port: int, parents: int, wake: str | None = None,
+                    preload: dict[str, str] | None = None) -> Proc:
     """The SuperExec of a site's SuperNode started with `runtime_port`: ours with `parents` warm
-    ClientApp parents (federation/ops/warm_superexec.py), listening for the SuperNode's `wake`, or
-    with 0 Flower's `flower-superexec`."""
+    ClientApp parents (federation/ops/warm_superexec.py), listening for the SuperNode's `wake` and
+    importing the modules `preload` names (warm_preload.preload_env), or with 0 Flower's
+    `flower-superexec`."""
     address = ["--runtime-api-address", f"127.0.0.1:{runtime_port}", "--insecure"]  # loopback, as Flower's own
     argv = [sys.executable, "-m", "federation.ops.warm_superexec", *address, "--parents", str(parents)] if parents \
         else [_bin("flower-superexec"), *address]
-    return sup.start(f"site-{site_id}-superexec", argv,
-                     extra_env={**superexec_poll_env(), **({WAKE_ENV: wake} if parents and wake else {})})
+    warm_env = {**({WAKE_ENV: wake} if wake else {}), **(preload or {})} if parents else {}
+    return sup.start(f"site-{site_id}-superexec", argv, extra_env={**superexec_poll_env(), **warm_env})
 
 
 def watch_site_node(guard, sup: Supervisor, site: SiteConfig, superlink: str, socket_path: str,
@@ -167,7 +169,8 @@ def watch_site_node(guard, sup: Supervisor, site: SiteConfig, superlink: str, so
                                                   extra_node_config, runtime_port=port, polls=polls, wake=wake),
                                  superlink, None if insecure else bundle)
     if port is not None:
-        guard.watch_superexec(site.id, partial(start_superexec, sup, site.id, port, wake=wake), warm)
+        guard.watch_superexec(site.id, partial(start_superexec, sup, site.id, port, wake=wake,
+                                               preload=warm_preload.preload_env(extra_node_config)), warm)
     return node
 
 

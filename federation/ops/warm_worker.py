@@ -1,9 +1,10 @@
 """The warm ClientApp parent: imports once, forks one worker per ClientApp task.
 
 The warm executor (warm_executor.py) starts this process ahead of any message. It imports Flower's
-ClientApp runtime (flwr, httpx, protobuf) and our ClientApp with its mods (gRPC; never torch),
-says `ready` on its event descriptor, then reads tasks from stdin, one JSON line each (a pipe,
-not argv, which other users of the machine can read). For each task it forks a worker, which runs
+ClientApp runtime (flwr, httpx, protobuf), our ClientApp with its mods (gRPC; never torch) and
+the site's attestation plug-ins (warm_preload.py), freezes what it loaded out of the garbage
+collector, says `ready` on its event descriptor, then reads tasks from stdin, one JSON line each
+(a pipe, not argv, which other users of the machine can read). For each task it forks a worker, which runs
 Flower's `run_clientapp` for the task's token as a `flwr-clientapp` process would: the message
 comes over the Runtime API, the reply goes back the same way, and the worker ends with Flower's
 exit code. One difference: a message object the SuperNode has not stored yet is asked for again
@@ -27,6 +28,7 @@ ends the parent quietly; workers still running finish their tasks.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import select
@@ -38,7 +40,7 @@ REAP_EVERY_S = 0.2  # how soon a worker's exit reaches the executor's log
 
 
 def warm_up() -> None:
-    """Import what every task needs, so that no task waits for it."""
+    """Import what every task needs, so that no task waits for it, and set it aside for the forks."""
     import encodings.cp437  # noqa: F401 - the FAB's zip names
     import flwr.cli.install  # noqa: F401 - the FAB install each task runs
     import flwr.clientapp.utils  # noqa: F401 - the app loader
@@ -47,13 +49,18 @@ def warm_up() -> None:
     from cryptography.hazmat.backends.openssl import backend  # noqa: F401 - loaded by the first certificate read
 
     import federation.site.client_app  # noqa: F401 - our ClientApp, its mods, gRPC
-    from federation.ops import flower_exec as fx
+    from federation.ops import flower_exec as fx, warm_preload
 
     # Flower's Runtime API client imports its HTTP transport (httpcore, h11) when the first one is
     # made: make one (it opens no connection) and close it.
     fx.RuntimeHttpClient.from_server_address(server_address="127.0.0.1:9", insecure=True, root_certificates=None,
                                              interceptors=[], retry_invoker=fx.make_simple_http_retry_invoker()).close()
     fx.prompt_object_pulls()  # the task's objects may still be on their way to the SuperNode (flower_exec.py)
+    warm_preload.preload()  # the site's attestation plug-ins, named by the launcher
+    # What the imports left is shared with every worker until written to: kept out of the
+    # collector's passes (which write to every object they visit), a worker's collections copy
+    # none of it.
+    gc.freeze()
 
 
 def _event(fd: int, line: str) -> None:
