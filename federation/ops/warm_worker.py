@@ -4,8 +4,8 @@ The warm executor (warm_executor.py) starts this process ahead of any message. I
 ClientApp runtime (flwr, httpx, protobuf), our ClientApp with its mods (gRPC; never torch) and
 the site's attestation plug-ins (warm_preload.py), freezes what it loaded out of the garbage
 collector, says `ready` on its event descriptor, then reads tasks from stdin, one JSON line each
-(a pipe, not argv, which other users of the machine can read). For each task it forks a worker, which runs
-Flower's `run_clientapp` for the task's token as a `flwr-clientapp` process would: the message
+(a pipe, not argv, which other users of the machine can read). For each task it forks a worker,
+which runs Flower's `run_clientapp` for the task's token as a `flwr-clientapp` process would: the message
 comes over the Runtime API, the reply goes back the same way, and the worker ends with Flower's
 exit code. One difference: a message object the SuperNode has not stored yet is asked for again
 within 50-250 ms rather than 1-10 s (flower_exec.prompt_object_pulls), since a warm worker asks
