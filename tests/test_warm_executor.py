@@ -30,7 +30,10 @@ os.write(fd, b"ready\\n")
 task = fork_per_task(fd)
 if task:
     out = sys.argv[1]
-    open(os.path.join(out, f"{os.getpid()}.json"), "w").write(json.dumps(task))
+    mine = os.path.join(out, f"{os.getpid()}.json")
+    with open(mine + ".part", "w") as f:  # whole or absent: the test reads it as soon as it exists
+        f.write(json.dumps(task))
+    os.replace(mine + ".part", mine)
     while task["token"].startswith("wait") and not os.path.exists(os.path.join(out, "go")):
         time.sleep(0.02)
     sys.exit(int(task["token"].rpartition("-")[2]))
@@ -164,7 +167,10 @@ fd = int(sys.argv[sys.argv.index("--events-fd") + 1])
 os.write(fd, b"ready\\n")
 task = w.fork_per_task(fd)
 if task:
-    open(os.path.join(sys.argv[1], f"{os.getpid()}.json"), "w").write(json.dumps(numpy.random.random()))
+    mine = os.path.join(sys.argv[1], f"{os.getpid()}.json")
+    with open(mine + ".part", "w") as f:  # whole or absent: the test reads it as soon as it exists
+        f.write(json.dumps(numpy.random.random()))
+    os.replace(mine + ".part", mine)
 """
     ex = WarmClientAppExecutor(1, (sys.executable, "-c", code, str(tmp_path)), log=lambda line: None)
     try:
