@@ -12,6 +12,7 @@ from federation.config.attestation_config import AttestationConfig, SiteAttestat
 from federation.ops import launcher, warm_preload
 from federation.ops.warm_parent import ONE_THREAD_ENV
 from federation.ops.warm_preload import PRELOAD_ENV
+from test_supernode_polls import Recorder
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,26 +56,27 @@ def test_the_real_parent_has_them_loaded_and_still_forks_from_one_thread(tmp_pat
     """The production warm-up with the launcher's environment: the plug-ins are loaded before the
     first fork, loading them started no thread (the parent would refuse to fork), and what was
     loaded is frozen out of the collector (a worker's collections copy none of the shared heap)."""
-    env_add = warm_preload.preload_env({"attestation-config": str(site_settings(tmp_path))})
     script = ("import sys\nfrom federation.ops import warm_worker as w\n"
-              "assert 'crypto.attestation.eat_jwt' not in sys.modules\n"
               "w.warm_up()\nassert w.fork_safety() is None, w.fork_safety()\n"
               "import gc\nassert gc.get_freeze_count() > 10000, gc.get_freeze_count()\n"
               "print(sorted(m for m in sys.modules if m.startswith('crypto.attestation.')))\n")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120,
-                         env={**os.environ, **env_add, **ONE_THREAD_ENV})
-    assert out.returncode == 0, out.stderr
-    assert "crypto.attestation.eat_jwt" in out.stdout and "crypto.attestation.testing" in out.stdout
+
+    def loaded(env_add: dict[str, str]) -> str:
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                             env={**os.environ, **env_add, **ONE_THREAD_ENV})
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    without = loaded({})  # our ClientApp alone does not load them: the preload does
+    assert "crypto.attestation.eat_jwt" not in without and "crypto.attestation.testing" not in without
+    with_them = loaded(warm_preload.preload_env({"attestation-config": str(site_settings(tmp_path))}))
+    assert "crypto.attestation.eat_jwt" in with_them and "crypto.attestation.testing" in with_them
 
 
-def test_the_launcher_hands_them_to_the_warm_superexec_only(tmp_path):
-    class Sup:
-        def start(self, name, argv, extra_env=None, grace=None):
-            self.argv, self.env = argv, extra_env
-            return self
-
-    sup = Sup()
+def test_the_launcher_hands_them_to_the_warm_superexec_only():
+    sup = Recorder()
     launcher.start_superexec(sup, "a", 1234, 2, preload={PRELOAD_ENV: "crypto.attestation"})
-    assert sup.env[PRELOAD_ENV] == "crypto.attestation" and "federation.ops.warm_superexec" in sup.argv
     launcher.start_superexec(sup, "a", 1234, 0, preload={PRELOAD_ENV: "crypto.attestation"})
-    assert PRELOAD_ENV not in sup.env  # Flower's flower-superexec starts no warm parent
+    (_, warm_argv, warm_env), (_, _, flower_env) = sup.started
+    assert "federation.ops.warm_superexec" in warm_argv and warm_env[PRELOAD_ENV] == "crypto.attestation"
+    assert PRELOAD_ENV not in flower_env  # Flower's flower-superexec starts no warm parent
