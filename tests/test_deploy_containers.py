@@ -3,13 +3,15 @@
 From a Debian base made locally (deploy/make-base-image.sh: debootstrap, `podman import`; kept in
 podman's store as a cache between runs) and a wheelhouse of the project's wheel and its pins
 (deploy/wheelhouse.sh, from this checkout), deploy/build-images.sh builds the coordinator and site
-images. A coordinator container and two site containers then run 2 rounds of the digits federation
+images on a dependencies' layer it keeps as localhost/sovfl-deps:DIGEST (the cache that outlives
+them: a run with the same pins installs only the project). A coordinator container and two site containers then run 2 rounds of the digits federation
 with SecAgg+ on an internal podman network (no route out: nothing is fetched at run time), with TLS
 and SuperNode authentication from `sovfl provision`; the bundles and the configuration are mounted
 read-only, each container's /work is a host directory. Checked: the RESULT line, the metrics of both
 sites in both rounds, the health checks, the non-root user, the CPU torch build, and that the sites
 stop cleanly on `podman stop` (SIGTERM: exit 130, not a SIGKILL after the grace period). Every
-container, the network and the two product images are removed at the end, whatever happened.
+container, the network and the two product images are removed at the end, whatever happened; the
+base and the dependencies' layer stay, as caches.
 
 Needs root (it installs podman, buildah, runc, debootstrap, iptables and the rest of
 system_packages.CONTAINERS with apt when missing).
@@ -55,7 +57,8 @@ def podman_env(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def images(podman_env, tmp_path_factory):
-    """(coordinator image, site image, build seconds), built once for this file; removed after it."""
+    """(coordinator image, site image, dependencies' image, build seconds), built once for this file;
+    the first two are removed after it."""
     if run(["podman", "image", "exists", BASE], env=podman_env, check=False).returncode != 0:
         run([str(ROOT / "deploy" / "make-base-image.sh"), BASE], env=podman_env, timeout=900)
     tag = f"test-{uuid.uuid4().hex[:8]}"
@@ -66,7 +69,8 @@ def images(podman_env, tmp_path_factory):
     built = time.monotonic() - started
     coordinator, site = f"localhost/sovfl-coordinator:{tag}", f"localhost/sovfl-site:{tag}"
     assert out[-2:] == [coordinator, site], out
-    yield coordinator, site, built
+    deps = f"localhost/sovfl-deps:{(ctx / 'deps.sha256').read_text().strip()}"
+    yield coordinator, site, deps, built
     try:  # removing two GB-sized images is slow on a loaded machine; a leftover image fails no test
         run(["podman", "rmi", "-f", coordinator, site], env=podman_env, check=False, timeout=600)
     except subprocess.TimeoutExpired:
@@ -78,8 +82,14 @@ def _podman(env, *args, timeout=120, check=True):
 
 
 def test_images_are_cpu_non_root_and_offline_ready(images, podman_env):
-    coordinator, site, built = images
+    coordinator, site, deps, built = images
     size = int(_podman(podman_env, "image", "inspect", "--format", "{{.Size}}", site).stdout)
+    layers = {image: _podman(podman_env, "image", "inspect", "--format", "{{json .RootFS.Layers}}", image).stdout
+              for image in (deps, coordinator, site)}
+    deps_layers = json.loads(layers[deps])
+    for image in (coordinator, site):  # both are built on the kept dependencies' layer, plus the project's
+        assert json.loads(layers[image])[:len(deps_layers)] == deps_layers, (image, layers)
+        assert len(json.loads(layers[image])) > len(deps_layers), (image, layers)
     print(f"images built in {built:.0f}s (wheelhouse + both targets); site image {size / 1e9:.2f} GB")
     probe = ("import json, os, torch, importlib.metadata as md; "
              "print(json.dumps({'uid': os.getuid(), 'cuda': torch.version.cuda, 'torch': torch.__version__, "
@@ -132,7 +142,7 @@ def _wait_healthy(env, name: str, deadline_s: float) -> bool:
 
 
 def test_coordinator_and_two_sites_in_containers(images, podman_env, tmp_path):
-    coordinator_image, site_image, _ = images
+    coordinator_image, site_image, _, _ = images
     env = podman_env
     run_id = uuid.uuid4().hex[:8]
     pki = tmp_path / "pki"
