@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -185,3 +186,25 @@ if task:
         assert len(workers) == 2 and len(draws) == 2
     finally:
         ex.close()
+
+
+def test_flowers_telemetry_event_in_a_worker_starts_no_process():
+    """Flower's ClientApp runtime builds a telemetry payload in every worker (telemetry off only
+    skips the send); after the real warm-up, building it starts no process (`file` for
+    platform.architecture), and without the warm-up it does (the check can fail)."""
+    code = """
+import subprocess, sys
+from federation.ops import warm_worker as w
+if sys.argv[1] == "warm":
+    w.warm_up()
+def no_process(*args, **kwargs):
+    raise AssertionError(f"a process started: {args[:1]}")
+subprocess.Popen = no_process
+from flwr.supercore.telemetry import EventType, create_event
+print(create_event(EventType.FLWR_CLIENTAPP_RUN_ENTER, None))
+"""
+    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "OPENBLAS_NUM_THREADS": "1"}
+    runs = {mode: subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, env=env,
+                                 cwd=Path(__file__).resolve().parents[1], timeout=120) for mode in ("warm", "cold")}
+    assert runs["warm"].returncode == 0 and runs["warm"].stdout.strip() == "disabled", runs["warm"].stderr
+    assert runs["cold"].returncode != 0 and "a process started" in runs["cold"].stderr, runs["cold"].stderr

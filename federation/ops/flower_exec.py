@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import importlib
 import inspect
+import platform
 from importlib.metadata import version
 
 from federation.config.supernode_polls import FLOWER_OBJECT_WAIT_S
@@ -110,6 +111,20 @@ def differences() -> list[str]:
     if not hasattr(make_simple_http_retry_invoker(), "max_tries"):
         out.append("flwr's RetryInvoker has no max_tries")
     return out
+
+
+def answer_platform_probes() -> None:
+    """Ask the interpreter's platform questions once in this process, for its forks to inherit.
+
+    Flower's ClientApp runtime sends a telemetry event as it starts, and builds the event's payload
+    even when FLWR_TELEMETRY_ENABLED=0 only skips the sending: `platform.architecture()` in it runs
+    the `file` command on the interpreter, a process start in every worker. Its answer cannot change
+    while the interpreter runs, so it is remembered (`functools.cache`, here in the warm parent
+    only), as `platform.platform()` remembers its own."""
+    probe = getattr(platform.architecture, "__wrapped__", platform.architecture)
+    platform.architecture = functools.cache(probe)
+    platform.architecture()
+    platform.platform()
 
 
 def prompt_object_pulls(initial_backoff_s: float = 0.05, backoff_cap_s: float = 0.25) -> None:

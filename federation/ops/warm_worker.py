@@ -56,6 +56,7 @@ def warm_up() -> None:
     fx.RuntimeHttpClient.from_server_address(server_address="127.0.0.1:9", insecure=True, root_certificates=None,
                                              interceptors=[], retry_invoker=fx.make_simple_http_retry_invoker()).close()
     fx.prompt_object_pulls()  # the task's objects may still be on their way to the SuperNode (flower_exec.py)
+    fx.answer_platform_probes()  # Flower's telemetry payload would start a `file` process in each worker
     warm_preload.preload()  # the site's attestation plug-ins, named by the launcher
     # What the imports left is shared with every worker until written to: kept out of the
     # collector's passes (which write to every object they visit), a worker's collections copy
