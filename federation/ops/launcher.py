@@ -60,25 +60,23 @@ def start_superlink(sup: Supervisor, port: int, host: str = "127.0.0.1", bundle:
 
 
 def register_supernodes(sup: Supervisor, public_keys: dict[str, Path], timeout_s: float = 60) -> None:
-    """Admit each site's provisioned SuperNode key at the SuperLink (`flwr supernode register`),
-    all sites at once (each is a `flwr` CLI process: its start-up, not the SuperLink, is the cost)."""
-    procs = {site: subprocess.Popen([_bin("flwr"), "supernode", "register", str(key), "sovfl", "--name", site],
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=sup.env())
-             for site, key in public_keys.items()}
-    end = time.monotonic() + timeout_s
-    failed = []
-    for site, proc in procs.items():
-        try:
-            out, _ = proc.communicate(timeout=max(0.0, end - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out = f"no answer within {timeout_s:.0f}s"
-            proc.returncode = 1
-        # a restarted SuperLink keeps its database, and the keys registered in it (a resumed run)
-        if proc.returncode != 0 and "already in use" not in out:
-            failed.append(f"could not register site {site}'s SuperNode key {public_keys[site]}: {out}")
-    if failed:
-        raise LaunchError("\n".join(failed))
+    """Admit each site's provisioned SuperNode key at the SuperLink, every site from one process
+    (federation/ops/register_nodes.py: Flower's `flwr supernode register` request, without a CLI
+    start per site). A key the SuperLink has already (a restarted SuperLink keeps its database,
+    and the keys in it: a resumed run) counts as admitted."""
+    argv = [sys.executable, "-m", "federation.ops.register_nodes", "sovfl",
+            *(f"{site}={key}" for site, key in public_keys.items())]
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, env=sup.env(), timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise LaunchError(f"could not register the sites' SuperNode keys ({', '.join(public_keys)}): "
+                          f"no answer within {timeout_s:.0f}s") from None
+    lines = out.stdout.splitlines()
+    admitted = {line.split()[1] for line in lines if line.startswith(("ok ", "known "))}
+    if out.returncode != 0 or admitted != set(public_keys):
+        why = [f"could not register site {line[len('failed '):]}" for line in lines if line.startswith("failed ")]
+        raise LaunchError("\n".join(why) or f"could not register the sites' SuperNode keys (exit code "
+                          f"{out.returncode}): {(out.stderr or out.stdout).strip()[-2000:]}")
 
 
 def wait_port(proc: Proc, port: int, deadline_s: float = 60.0) -> None:
