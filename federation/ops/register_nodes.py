@@ -1,12 +1,12 @@
 """Admit the sites' SuperNode keys at the SuperLink, every site in one process.
 
 `flwr supernode register KEY CONNECTION` admits one key per process, and the process's start-up
-(Flower's CLI imports), not the SuperLink, is most of its cost: a federation of N sites paid it N
-times while its trainers were loading on the same cores. `python -m federation.ops.register_nodes
-CONNECTION SITE=KEY...` makes the same Control API request for every site, from one process over
-one client: the key is read and checked by the CLI's own `try_load_public_key`, the connection
-(address, TLS, account auth) by its own `read_superlink_connection` and
-`init_http_client_from_connection`, from FLWR_HOME as `flwr` reads it.
+(Flower's CLI imports), not the SuperLink, is most of its cost: N sites would pay it N times, on
+the cores where their trainers are loading. `python -m federation.ops.register_nodes CONNECTION
+SITE=KEY...` makes the same Control API request for every site, from one process over one client:
+the key is read and checked by the CLI's own `try_load_public_key`, the connection (address, TLS,
+account auth) by its own `read_superlink_connection` and `init_http_client_from_connection`, from
+FLWR_HOME as `flwr` reads it, and a refusal is worded by its `flwr_cli_exc_handler`.
 
 It prints one line per site: `ok SITE NODE_ID`, `known SITE` (the key is registered already: a
 restarted SuperLink keeps its database, and the keys in it) or `failed SITE: why`; the exit code is
