@@ -59,6 +59,7 @@ def register_all(client, keys: dict[str, bytes]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Register every SITE=KEY at the CONNECTION's SuperLink; 1 if any site failed, 2 on bad usage."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) < 2:
         print("usage: python -m federation.ops.register_nodes CONNECTION SITE=KEY_PATH...", file=sys.stderr)
