@@ -31,6 +31,6 @@ for target in deps coordinator site; do
     [ "$target" = deps ] || echo "localhost/sovfl-$target:$TAG"
 done
 # without --force, buildah keeps an image that others are built on: only unused old caches go
-for old in $(buildah images --noheading --format '{{.Name}}:{{.Tag}}' localhost/sovfl-deps 2>/dev/null); do
+for old in $(buildah images --noheading --format '{{.Name}}:{{.Tag}}' | grep '^localhost/sovfl-deps:'); do
     [ "$old" = "localhost/sovfl-deps:$DEPS" ] || buildah rmi "$old" >/dev/null 2>&1 || true
 done
